@@ -1,0 +1,49 @@
+# onceq: `make run` (the demo on embedded SQLite) and `make test` (every test).
+# Every tool the build needs is installed from here.
+
+CARGO        ?= cargo
+GUEST_TARGET := wasm32-wasip2
+GUEST_DIR    := guest-examples
+GUEST_OUT    := $(GUEST_DIR)/target/$(GUEST_TARGET)/release
+ONCEQ        := target/release/onceq
+
+.PHONY: all tools guests build run test bench lint fmt clean
+
+all: build guests
+
+## tools: install the Wasm target the guests build for
+tools:
+	@rustup target list --installed | grep -qx $(GUEST_TARGET) || rustup target add $(GUEST_TARGET)
+
+## guests: build the guest SDK, the examples and the test fixtures (own workspace)
+guests: tools
+	cd $(GUEST_DIR) && $(CARGO) build --release --target $(GUEST_TARGET)
+
+## build: the host (release; tests and benchmarks share these artifacts)
+build:
+	$(CARGO) build --release
+
+## run: the demo: fresh SQLite database, example handlers, 10,000 messages, summary
+run: guests build
+	$(ONCEQ) demo --guests $(GUEST_OUT)
+
+## test: every test, against real SQLite files and built components
+test: guests
+	$(CARGO) test --release --workspace
+
+## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
+bench: guests
+	$(CARGO) bench --bench pipeline
+
+## lint: clippy (unwrap/expect/panic denied outside tests) and rustfmt
+lint:
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	cd $(GUEST_DIR) && $(CARGO) clippy --release --target $(GUEST_TARGET) -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	cd $(GUEST_DIR) && $(CARGO) clean
+	rm -rf .onceq

@@ -1,0 +1,223 @@
+//! What the `onceq` commands do. The binary only parses arguments and
+//! prints; everything testable lives here.
+
+use crate::config::{Config, QueueConfig};
+use crate::protocol::{self, HandleOutput, Handler, QueueRunner, QueueSpec, ReadScope};
+use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
+use crate::store::{self, sqlite::SqliteStore, SendOutcome, SendParams, Store};
+use crate::value::{random_id, Effect, Message};
+use anyhow::{bail, Context};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// `onceq init`: create the database with onceq's tables and the schema.
+pub fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    let ddl = cfg.schema_ddl()?;
+    let path = cfg
+        .store
+        .strip_prefix("sqlite://")
+        .with_context(|| format!("unsupported store URL {:?}: expected sqlite://PATH", cfg.store))?;
+    Ok(Arc::new(SqliteStore::init(Path::new(path), &ddl, &cfg.store_options)?))
+}
+
+pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    store::open(&cfg.store, &cfg.store_options)
+}
+
+/// Check a queue's grants against the database schema.
+pub fn check_grants(q: &QueueConfig, store: &dyn Store) -> anyhow::Result<()> {
+    let schema = store.schema();
+    for t in &q.grants.tables {
+        if !schema.tables.contains_key(t) {
+            bail!(
+                "queue {} is granted table {t}, which is not in the database (tables: {})",
+                q.name,
+                schema.tables.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Load every queue's handler and build its runner.
+pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
+    if cfg.queues.is_empty() {
+        bail!("no [[queue]] configured: nothing to run");
+    }
+    let mut out = Vec::new();
+    for q in &cfg.queues {
+        check_grants(q, store.as_ref())?;
+        let handler = runtime.load_file(&q.handler, q.limits).with_context(|| format!("queue {}", q.name))?;
+        tracing::info!(queue = %q.name, version = %handler.version(), handler = %q.handler.display(), "handler loaded");
+        out.push(Arc::new(QueueRunner::new(
+            QueueSpec {
+                name: q.name.clone(),
+                handler: Arc::new(handler),
+                grants: q.grants.clone(),
+                limits: q.effect_limits,
+                policy: q.policy.clone(),
+            },
+            store.clone(),
+        )));
+    }
+    Ok(out)
+}
+
+/// A future that resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// `onceq run`: serve until a signal (or until empty).
+pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
+    let store = open_store(cfg)?;
+    let runtime = Runtime::new(cfg.runtime.clone())?;
+    let runners = build_runners(cfg, &store, &runtime)?;
+    let (tx, _rx) = watch::channel(false);
+    let tx = Arc::new(tx);
+    let signal_tx = tx.clone();
+    let signals = tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown requested: finishing in-flight messages, releasing the rest");
+        let _ = signal_tx.send(true);
+    });
+    tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
+    protocol::run_queues(store, runners.clone(), tx, until_empty).await;
+    signals.abort();
+    Ok(runners)
+}
+
+/// Parse `--attribute k=v`.
+pub fn parse_attribute(s: &str) -> anyhow::Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => bail!("attribute {s:?}: expected NAME=VALUE"),
+    }
+}
+
+/// Parse a JSON-lines stream into payloads; a bad line is an error naming
+/// its line number (and nothing is sent).
+pub fn parse_jsonl(text: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        serde_json::from_str::<serde_json::Value>(line).with_context(|| format!("line {}: not valid JSON", i + 1))?;
+        out.push(line.as_bytes().to_vec());
+    }
+    Ok(out)
+}
+
+/// Send messages in chunks of `chunk`, one transaction each.
+pub async fn send_many(store: &dyn Store, msgs: Vec<SendParams>, chunk: usize) -> anyhow::Result<(u64, u64)> {
+    let (mut sent, mut dup) = (0, 0);
+    let mut it = msgs.into_iter().peekable();
+    while it.peek().is_some() {
+        let part: Vec<SendParams> = it.by_ref().take(chunk.max(1)).collect();
+        for o in store.message_send(part).await? {
+            match o {
+                SendOutcome::Sent { .. } => sent += 1,
+                SendOutcome::Duplicate { .. } => dup += 1,
+            }
+        }
+    }
+    Ok((sent, dup))
+}
+
+/// `onceq check COMPONENT`.
+pub fn check(path: &Path) -> anyhow::Result<(ComponentInfo, Result<(), String>)> {
+    let runtime = Runtime::new(RuntimeConfig { max_instances: 4, ..Default::default() })?;
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let (_, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let verdict = runtime.load(&bytes, HandlerLimits::default()).map(|_| ()).map_err(|e| e.to_string());
+    Ok((info, verdict))
+}
+
+/// What `onceq try` prints.
+#[derive(Debug, serde::Serialize)]
+pub struct TryReport {
+    pub message: Message,
+    pub version: String,
+    /// "ok", "retry", "reject", "failed" or "invalid-effects".
+    pub outcome: String,
+    pub reason: Option<String>,
+    pub effects: Vec<Effect>,
+    pub reads: u64,
+}
+
+/// `onceq try`: run one message through a component against the database,
+/// check the effects as the protocol would, and roll back. Nothing is
+/// committed.
+pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: Vec<u8>, id: Option<String>) -> anyhow::Result<TryReport> {
+    let store = open_store(cfg)?;
+    let (grants, limits, effect_limits) = match cfg.queue(queue) {
+        Ok(q) => (q.grants.clone(), q.limits, q.effect_limits),
+        Err(_) => {
+            // Not a configured queue: grant every table, like a sandbox.
+            let tables: BTreeSet<String> = store.schema().tables.keys().cloned().collect();
+            (protocol::Grants { tables, ..Default::default() }, HandlerLimits::default(), Default::default())
+        }
+    };
+    let runtime = Runtime::new(RuntimeConfig { max_instances: 4, ..cfg.runtime.clone() })?;
+    let handler = runtime.load_file(component, limits)?;
+    let message = Message {
+        id: id.unwrap_or_else(random_id),
+        queue: queue.to_string(),
+        payload,
+        attributes: vec![],
+        attempt: 1,
+        enqueued_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as i64)
+            .unwrap_or(0),
+    };
+    let tx = store.transaction_begin().await?;
+    let scope = ReadScope::new(tx, store.schema(), Arc::new(grants.tables.clone()));
+    let HandleOutput { scope, result } = handler.handle(&message, scope).await;
+    let reads = scope.reads;
+    let violation = scope.violation.clone();
+    let mut tx = scope.into_transaction();
+    let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>| TryReport {
+        message: message.clone(),
+        version: handler.version().to_string(),
+        outcome: outcome.to_string(),
+        reason,
+        effects,
+        reads,
+    };
+    let out = match (violation, result) {
+        (Some(v), _) => report("failed", Some(v), vec![]),
+        (None, Ok(effects)) => {
+            match protocol::effects::check_and_buffer(&message, effects.clone(), &grants, &effect_limits, &store.schema(), &mut *tx) {
+                Ok(_) => report("ok", None, effects),
+                Err(e) => report("invalid-effects", Some(e), effects),
+            }
+        }
+        (None, Err(protocol::HandlerFailure::Retry { reason, .. })) => report("retry", Some(reason), vec![]),
+        (None, Err(protocol::HandlerFailure::Reject(r))) => report("reject", Some(r), vec![]),
+        (None, Err(protocol::HandlerFailure::Failed(r))) => report("failed", Some(r), vec![]),
+    };
+    tx.rollback().await;
+    Ok(out)
+}

@@ -1,0 +1,274 @@
+//! The `onceq` command line: argument parsing and printing only; the work is
+//! in `onceq::app`.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use onceq::app;
+use onceq::config::{parse_duration, Config};
+use onceq::store::SendParams;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "onceq", version, about = "Exactly-once message handlers as WebAssembly components")]
+struct Cli {
+    /// Configuration file.
+    #[arg(long, short, global = true, env = "ONCEQ_CONFIG", default_value = "onceq.toml")]
+    config: PathBuf,
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the database: onceq's tables plus the schema file(s).
+    Init,
+    /// Enqueue messages.
+    Send {
+        queue: String,
+        /// The payload, as JSON text.
+        #[arg(long, conflicts_with_all = ["file", "jsonl"])]
+        payload: Option<String>,
+        /// Read the payload (raw bytes) from a file.
+        #[arg(long, conflicts_with = "jsonl")]
+        file: Option<PathBuf>,
+        /// Send one message per line of a JSON-lines file ("-" for stdin).
+        #[arg(long)]
+        jsonl: Option<String>,
+        /// Producer deduplication key (single message only).
+        #[arg(long, conflicts_with = "jsonl")]
+        dedup_key: Option<String>,
+        /// Deliver no earlier than this from now ("30s", "5m").
+        #[arg(long)]
+        delay: Option<String>,
+        /// NAME=VALUE attribute (repeatable).
+        #[arg(long = "attribute", short = 'a')]
+        attributes: Vec<String>,
+    },
+    /// Serve the configured queues until SIGINT/SIGTERM.
+    Run {
+        /// Exit once every configured queue is drained.
+        #[arg(long)]
+        until_empty: bool,
+    },
+    /// Per-queue counts: ready, leased, delayed, dead; outbox backlog.
+    Stats {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect and replay dead letters.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+    /// Validate a component against the handler world; print its imports
+    /// and exports.
+    Check { component: PathBuf },
+    /// Run one message through a component against the database, print the
+    /// effects, and commit nothing.
+    Try {
+        component: PathBuf,
+        /// File holding the message payload.
+        #[arg(long)]
+        message: PathBuf,
+        /// Queue whose grants apply (default: all tables granted).
+        #[arg(long, default_value = "try")]
+        queue: String,
+        /// Message id (fixes the handler's random seed).
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// The `make run` demo: fresh database, example handlers, 10,000
+    /// messages, a summary with invariant checks.
+    Demo(onceq::demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum DlqCommand {
+    List {
+        #[arg(long)]
+        queue: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    Show { id: String },
+    /// Put a dead letter back on its queue.
+    Replay { id: String },
+}
+
+fn init_tracing(format: LogFormat, default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => b.init(),
+        LogFormat::Json => b.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo prints its own summary; per-message logs would drown it.
+    let default_filter = if matches!(cli.command, Command::Demo(_)) { "warn" } else { "onceq=info,warn" };
+    init_tracing(cli.log_format, default_filter);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(dispatch(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    if let Command::Demo(args) = cli.command {
+        return onceq::demo::run(args).await;
+    }
+    if let Command::Check { component } = &cli.command {
+        let (info, verdict) = app::check(component)?;
+        println!("component: {}", component.display());
+        println!("version:   {}", info.version);
+        println!("size:      {} bytes", info.size);
+        println!("imports:");
+        let forbidden = onceq::runtime::wasi::check_imports(info.imports.iter().map(String::as_str));
+        for i in &info.imports {
+            let bad = forbidden.iter().any(|f| f.starts_with(i.as_str()));
+            println!("  {} {i}", if bad { "✗" } else { "✓" });
+        }
+        println!("exports:");
+        for e in &info.exports {
+            println!("  {e}");
+        }
+        return Ok(match verdict {
+            Ok(()) => {
+                println!("ok: fits the onceq:handler world");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("refused: {e}");
+                ExitCode::FAILURE
+            }
+        });
+    }
+    let cfg = Config::load(&cli.config)?;
+    match cli.command {
+        Command::Init => {
+            let store = app::init(&cfg)?;
+            let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
+            println!("initialized {} (business tables: {})", cfg.store, if tables.is_empty() { "none".into() } else { tables.join(", ") });
+        }
+        Command::Send { queue, payload, file, jsonl, dedup_key, delay, attributes } => {
+            let store = app::open_store(&cfg)?;
+            let delay = match delay {
+                Some(d) => parse_duration("--delay", &d)?,
+                None => Default::default(),
+            };
+            let attributes = attributes.iter().map(|a| app::parse_attribute(a)).collect::<anyhow::Result<Vec<_>>>()?;
+            let payloads: Vec<Vec<u8>> = if let Some(src) = jsonl {
+                let mut text = String::new();
+                if src == "-" {
+                    std::io::stdin().read_to_string(&mut text).context("reading stdin")?;
+                } else {
+                    text = std::fs::read_to_string(&src).with_context(|| format!("reading {src}"))?;
+                }
+                app::parse_jsonl(&text).with_context(|| format!("in {src}"))?
+            } else if let Some(f) = file {
+                vec![std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?]
+            } else if let Some(p) = payload {
+                serde_json::from_str::<serde_json::Value>(&p).context("--payload is not valid JSON")?;
+                vec![p.into_bytes()]
+            } else {
+                anyhow::bail!("give the message with --payload JSON, --file F or --jsonl F")
+            };
+            let msgs: Vec<SendParams> = payloads
+                .into_iter()
+                .map(|payload| SendParams { queue: queue.clone(), payload, attributes: attributes.clone(), delay, dedup_key: dedup_key.clone() })
+                .collect();
+            let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
+            println!("sent {sent} message(s) to {queue}{}", if dup > 0 { format!(", {dup} dropped as duplicates") } else { String::new() });
+        }
+        Command::Run { until_empty } => {
+            let runners = app::run(&cfg, until_empty).await?;
+            for r in runners {
+                let m = &r.metrics;
+                use std::sync::atomic::Ordering::Relaxed;
+                println!(
+                    "{}: processed {}, already committed {}, retried {}, dead-lettered {}, released {}",
+                    r.spec.name,
+                    m.processed.load(Relaxed),
+                    m.already_committed.load(Relaxed),
+                    m.retried.load(Relaxed),
+                    m.dead_lettered.load(Relaxed),
+                    m.released.load(Relaxed)
+                );
+            }
+        }
+        Command::Stats { json } => {
+            let store = app::open_store(&cfg)?;
+            let stats = store.stats().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&stats)?);
+            } else {
+                println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
+                for q in &stats.queues {
+                    println!("{:<24} {:>8} {:>8} {:>8} {:>8}", q.queue, q.ready, q.leased, q.delayed, q.dead);
+                }
+                println!("outbox pending: {}", stats.outbox_pending);
+            }
+        }
+        Command::Dlq { command } => {
+            let store = app::open_store(&cfg)?;
+            match command {
+                DlqCommand::List { queue, limit, json } => {
+                    let list = store.dead_letter_list(queue.as_deref(), limit).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&list)?);
+                    } else {
+                        for d in &list {
+                            println!("{}  {:<16} attempts={}  {}", d.id, d.queue, d.attempts, d.reason);
+                        }
+                        if list.is_empty() {
+                            println!("no dead letters");
+                        }
+                    }
+                }
+                DlqCommand::Show { id } => match store.dead_letter_get(&id).await? {
+                    Some(d) => println!("{}", serde_json::to_string_pretty(&d)?),
+                    None => anyhow::bail!("no dead letter with id {id}"),
+                },
+                DlqCommand::Replay { id } => match store.dead_letter_replay(&id).await? {
+                    Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
+                    None => anyhow::bail!("no dead letter with id {id}"),
+                },
+            }
+        }
+        Command::Try { component, message, queue, id } => {
+            let payload = std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?;
+            let report = app::try_message(&cfg, &component, &queue, payload, id).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if report.outcome != "ok" {
+                return Ok(ExitCode::from(2));
+            }
+        }
+        Command::Check { .. } | Command::Demo(_) => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,263 @@
+//! `onceq.toml`: the store, the schema, and the queues with their handlers.
+//!
+//! Every key is documented in the README's configuration table. Unknown
+//! keys are errors (a typo must not silently fall back to a default).
+//! Relative paths are relative to the config file's folder.
+
+use crate::protocol::{EffectLimits, Grants, Policy};
+use crate::runtime::{HandlerLimits, RuntimeConfig};
+use crate::store::StoreOptions;
+use anyhow::{bail, Context};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(PathBuf),
+    Many(Vec<PathBuf>),
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawSqlite {
+    synchronous: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRuntime {
+    max_instances: Option<u32>,
+    max_memory: Option<String>,
+}
+
+/// Settings a queue can set, or inherit from `[defaults]`.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawSettings {
+    lease: Option<String>,
+    max_attempts: Option<u32>,
+    backoff_initial: Option<String>,
+    backoff_max: Option<String>,
+    workers: Option<usize>,
+    batch: Option<usize>,
+    deadline: Option<String>,
+    memory: Option<String>,
+    max_effects: Option<usize>,
+    max_effect_bytes: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueue {
+    name: String,
+    handler: PathBuf,
+    #[serde(default)]
+    tables: Vec<String>,
+    #[serde(default)]
+    enqueue: Vec<String>,
+    #[serde(default)]
+    connectors: Vec<String>,
+    lease: Option<String>,
+    max_attempts: Option<u32>,
+    backoff_initial: Option<String>,
+    backoff_max: Option<String>,
+    workers: Option<usize>,
+    batch: Option<usize>,
+    deadline: Option<String>,
+    memory: Option<String>,
+    max_effects: Option<usize>,
+    max_effect_bytes: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    store: String,
+    schema: Option<OneOrMany>,
+    dedup_window: Option<String>,
+    #[serde(default)]
+    sqlite: RawSqlite,
+    #[serde(default)]
+    runtime: RawRuntime,
+    #[serde(default)]
+    defaults: RawSettings,
+    #[serde(default, rename = "queue")]
+    queues: Vec<RawQueue>,
+}
+
+/// One queue, resolved.
+#[derive(Debug, Clone)]
+pub struct QueueConfig {
+    pub name: String,
+    pub handler: PathBuf,
+    pub grants: Grants,
+    pub policy: Policy,
+    pub limits: HandlerLimits,
+    pub effect_limits: EffectLimits,
+}
+
+/// The whole file, resolved and checked.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `sqlite://PATH` (or a plain path).
+    pub store: String,
+    pub schema: Vec<PathBuf>,
+    pub store_options: StoreOptions,
+    pub runtime: RuntimeConfig,
+    pub queues: Vec<QueueConfig>,
+}
+
+/// Parse `"10s"`, `"250ms"`, `"5m"`.
+pub fn parse_duration(key: &str, s: &str) -> anyhow::Result<Duration> {
+    humantime::parse_duration(s).with_context(|| format!("{key}: {s:?} is not a duration (try \"10s\", \"250ms\", \"5m\")"))
+}
+
+/// Parse `"64MiB"`, `"512KiB"`, `"1GiB"` or a number of bytes.
+pub fn parse_size(key: &str, s: &str) -> anyhow::Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().with_context(|| format!("{key}: {s:?} is not a size (try \"64MiB\")"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => bail!("{key}: unknown size unit {other:?} in {s:?} (use B, KiB, MiB or GiB)"),
+    };
+    n.checked_mul(mult).with_context(|| format!("{key}: {s:?} is too large"))
+}
+
+fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+impl Config {
+    /// Read and check a config file.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::parse(&text, &base).with_context(|| format!("in config {}", path.display()))
+    }
+
+    /// Parse config text; relative paths are resolved against `base`.
+    pub fn parse(text: &str, base: &Path) -> anyhow::Result<Config> {
+        let raw: RawConfig = toml::from_str(text)?;
+        let store = if let Some(p) = raw.store.strip_prefix("sqlite://") {
+            format!("sqlite://{}", resolve(base, Path::new(p)).display())
+        } else if raw.store.contains("://") {
+            raw.store.clone()
+        } else {
+            format!("sqlite://{}", resolve(base, Path::new(&raw.store)).display())
+        };
+        let schema = match raw.schema {
+            None => vec![],
+            Some(OneOrMany::One(p)) => vec![resolve(base, &p)],
+            Some(OneOrMany::Many(ps)) => ps.iter().map(|p| resolve(base, p)).collect(),
+        };
+        let mut store_options = StoreOptions::default();
+        if let Some(w) = &raw.dedup_window {
+            store_options.dedup_window = parse_duration("dedup_window", w)?;
+        }
+        if let Some(s) = &raw.sqlite.synchronous {
+            if !matches!(s.as_str(), "full" | "normal" | "off") {
+                bail!("sqlite.synchronous must be \"full\", \"normal\" or \"off\", got {s:?}");
+            }
+            store_options.sqlite_synchronous = s.clone();
+        }
+        let mut runtime = RuntimeConfig::default();
+        if let Some(n) = raw.runtime.max_instances {
+            runtime.max_instances = n;
+        }
+        if let Some(m) = &raw.runtime.max_memory {
+            runtime.max_memory = parse_size("runtime.max_memory", m)?;
+        }
+        let d = &raw.defaults;
+        let mut queues: Vec<QueueConfig> = Vec::new();
+        for q in &raw.queues {
+            if q.name.is_empty() || !q.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.') {
+                bail!("queue name {:?}: use letters, digits, '-', '_' or '.'", q.name);
+            }
+            if queues.iter().any(|o| o.name == q.name) {
+                bail!("queue {} is configured twice", q.name);
+            }
+            let key = |k: &str| format!("queue {}: {k}", q.name);
+            let dur = |k: &str, qv: &Option<String>, dv: &Option<String>, def: Duration| -> anyhow::Result<Duration> {
+                match qv.as_ref().or(dv.as_ref()) {
+                    Some(s) => parse_duration(&key(k), s),
+                    None => Ok(def),
+                }
+            };
+            let size = |k: &str, qv: &Option<String>, dv: &Option<String>, def: usize| -> anyhow::Result<usize> {
+                match qv.as_ref().or(dv.as_ref()) {
+                    Some(s) => parse_size(&key(k), s),
+                    None => Ok(def),
+                }
+            };
+            let pd = Policy::default();
+            let policy = Policy {
+                lease: dur("lease", &q.lease, &d.lease, pd.lease)?,
+                max_attempts: q.max_attempts.or(d.max_attempts).unwrap_or(pd.max_attempts).max(1),
+                backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
+                backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
+                workers: q.workers.or(d.workers).unwrap_or(pd.workers),
+                batch: q.batch.or(d.batch).unwrap_or(pd.batch),
+                ..pd
+            };
+            if policy.workers == 0 || policy.batch == 0 {
+                bail!("queue {}: workers and batch must be at least 1", q.name);
+            }
+            if policy.lease < Duration::from_millis(100) {
+                bail!("queue {}: lease must be at least 100ms", q.name);
+            }
+            let hd = HandlerLimits::default();
+            let limits = HandlerLimits {
+                deadline: dur("deadline", &q.deadline, &d.deadline, hd.deadline)?,
+                memory: size("memory", &q.memory, &d.memory, hd.memory)?,
+            };
+            if limits.memory > runtime.max_memory {
+                bail!("queue {}: memory {} exceeds runtime.max_memory {}", q.name, limits.memory, runtime.max_memory);
+            }
+            let ed = EffectLimits::default();
+            let effect_limits = EffectLimits {
+                max_effects: q.max_effects.or(d.max_effects).unwrap_or(ed.max_effects),
+                max_bytes: size("max_effect_bytes", &q.max_effect_bytes, &d.max_effect_bytes, ed.max_bytes)?,
+            };
+            queues.push(QueueConfig {
+                name: q.name.clone(),
+                handler: resolve(base, &q.handler),
+                grants: Grants {
+                    tables: q.tables.iter().cloned().collect(),
+                    queues: q.enqueue.iter().cloned().collect(),
+                    connectors: q.connectors.iter().cloned().collect(),
+                },
+                policy,
+                limits,
+                effect_limits,
+            });
+        }
+        Ok(Config { store, schema, store_options, runtime, queues })
+    }
+
+    pub fn queue(&self, name: &str) -> anyhow::Result<&QueueConfig> {
+        self.queues.iter().find(|q| q.name == name).with_context(|| {
+            format!("no queue named {name} in the config (queues: {})", self.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", "))
+        })
+    }
+
+    /// The concatenated schema files.
+    pub fn schema_ddl(&self) -> anyhow::Result<String> {
+        let mut ddl = String::new();
+        for p in &self.schema {
+            ddl.push_str(&std::fs::read_to_string(p).with_context(|| format!("reading schema file {}", p.display()))?);
+            ddl.push('\n');
+        }
+        Ok(ddl)
+    }
+}

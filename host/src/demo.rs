@@ -1,0 +1,313 @@
+//! `onceq demo` (what `make run` runs): a fresh database, the `payments` and
+//! `inventory` example handlers, 10,000 messages (a few of them bad on
+//! purpose), unknown commit outcomes injected at random, a progress bar,
+//! and a summary that checks the invariants a user would check.
+
+use crate::app;
+use crate::config::Config;
+use crate::protocol::{self, QueueRunner};
+use crate::runtime::Runtime;
+use crate::schema::Schema;
+use crate::store::faulty::{FaultPlan, FaultyStore};
+use crate::store::{SendParams, Store};
+use crate::value::{Row, Value, WriteOp};
+use anyhow::Context;
+use rand::{RngExt, SeedableRng};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PAYMENTS_SCHEMA: &str = include_str!("../../guest-examples/payments/schema.sql");
+const INVENTORY_SCHEMA: &str = include_str!("../../guest-examples/inventory/schema.sql");
+
+const ACCOUNTS: usize = 1000;
+const OPENING_BALANCE: i64 = 10_000;
+const ITEMS: usize = 100;
+const OPENING_STOCK: i64 = 100;
+
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Folder for the demo's database and config (wiped first).
+    #[arg(long, default_value = ".onceq/demo")]
+    pub dir: PathBuf,
+    /// Folder holding the built example components.
+    #[arg(long, default_value = "guest-examples/target/wasm32-wasip2/release")]
+    pub guests: PathBuf,
+    /// How many messages to send.
+    #[arg(long, default_value_t = 10_000)]
+    pub messages: usize,
+    /// Probability per commit of an injected unknown outcome (half of them
+    /// land, half are lost).
+    #[arg(long, default_value_t = 0.01)]
+    pub faults: f64,
+    /// Workers per queue.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// SQLite durability: "full" fsyncs every commit, "normal" at checkpoints
+    /// (WAL; safe against crashes of the process, not of the machine).
+    #[arg(long, default_value = "full")]
+    pub synchronous: String,
+    /// Random seed for the generated orders.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+struct Expected {
+    payments_ok: usize,
+    inventory_ok: usize,
+    bad: usize,
+}
+
+fn config_text(args: &DemoArgs, guests: &std::path::Path) -> String {
+    format!(
+        r#"# Written by `onceq demo`; inspect with `onceq -c {dir}/onceq.toml stats`.
+store = "sqlite://demo.db"
+schema = ["payments.sql", "inventory.sql"]
+
+[sqlite]
+synchronous = "{sync}"
+
+[defaults]
+lease = "10s"
+max_attempts = 3
+backoff_initial = "50ms"
+backoff_max = "1s"
+workers = {workers}
+batch = 16
+
+[[queue]]
+name = "payments"
+handler = "{guests}/payments.wasm"
+tables = ["accounts", "orders"]
+connectors = ["charge"]
+
+[[queue]]
+name = "inventory"
+handler = "{guests}/inventory.wasm"
+tables = ["items", "reservations"]
+"#,
+        dir = args.dir.display(),
+        sync = args.synchronous,
+        workers = args.workers,
+        guests = guests.display(),
+    )
+}
+
+async fn seed(store: &dyn Store) -> anyhow::Result<()> {
+    let schema = store.schema();
+    let mut tx = store.transaction_begin().await?;
+    let write = |schema: &Schema, table: &str, cols: Vec<(&str, Value)>| -> anyhow::Result<_> {
+        let w = crate::value::RowWrite { table: table.into(), op: WriteOp::Insert, columns: cols.into_iter().map(|(k, v)| (k.to_string(), v)).collect() };
+        schema.table(table).map_err(anyhow::Error::msg)?.check_write(&w).map_err(anyhow::Error::msg)
+    };
+    for i in 0..ACCOUNTS {
+        tx.row_write(write(&schema, "accounts", vec![("id", Value::String(format!("acct-{i}"))), ("balance", Value::Int64(OPENING_BALANCE))])?);
+    }
+    for i in 0..ITEMS {
+        tx.row_write(write(&schema, "items", vec![("sku", Value::String(format!("sku-{i}"))), ("stock", Value::Int64(OPENING_STOCK))])?);
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+fn generate(n: usize, seed: u64) -> (Vec<SendParams>, Expected) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut msgs = Vec::with_capacity(n);
+    let mut e = Expected { payments_ok: 0, inventory_ok: 0, bad: 0 };
+    for i in 0..n {
+        let roll: f64 = rng.random();
+        let (queue, payload) = if roll < 0.005 {
+            e.bad += 1;
+            ("payments", b"{\"order_id\": \"o-broken\", \"amount\": ".to_vec())
+        } else if roll < 0.8 {
+            let unknown = rng.random::<f64>() < 0.01;
+            let account = if unknown { format!("acct-missing-{i}") } else { format!("acct-{}", rng.random_range(0..ACCOUNTS)) };
+            if unknown {
+                e.bad += 1;
+            } else {
+                e.payments_ok += 1;
+            }
+            let amount: i64 = rng.random_range(1..=1500);
+            ("payments", serde_json::json!({ "order_id": format!("o-{i}"), "account": account, "amount": amount }).to_string().into_bytes())
+        } else {
+            let unknown = rng.random::<f64>() < 0.01;
+            let sku = if unknown { format!("sku-missing-{i}") } else { format!("sku-{}", rng.random_range(0..ITEMS)) };
+            if unknown {
+                e.bad += 1;
+            } else {
+                e.inventory_ok += 1;
+            }
+            let qty: i64 = rng.random_range(1..=5);
+            ("inventory", serde_json::json!({ "order_id": format!("o-{i}"), "sku": sku, "qty": qty }).to_string().into_bytes())
+        };
+        msgs.push(SendParams { queue: queue.into(), payload, ..Default::default() });
+    }
+    (msgs, e)
+}
+
+fn col<'a>(row: &'a Row, name: &str) -> Option<&'a Value> {
+    row.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+}
+
+fn int(row: &Row, name: &str) -> i64 {
+    match col(row, name) {
+        Some(Value::Int64(i)) => *i,
+        _ => 0,
+    }
+}
+
+fn text<'a>(row: &'a Row, name: &str) -> &'a str {
+    match col(row, name) {
+        Some(Value::String(s)) => s,
+        _ => "",
+    }
+}
+
+/// Run the demo; the exit code is non-zero if an invariant fails.
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let guests = std::fs::canonicalize(&args.guests)
+        .with_context(|| format!("example components not found in {} (run `make guests`)", args.guests.display()))?;
+    if args.dir.exists() {
+        std::fs::remove_dir_all(&args.dir).with_context(|| format!("clearing {}", args.dir.display()))?;
+    }
+    std::fs::create_dir_all(&args.dir)?;
+    std::fs::write(args.dir.join("payments.sql"), PAYMENTS_SCHEMA)?;
+    std::fs::write(args.dir.join("inventory.sql"), INVENTORY_SCHEMA)?;
+    let cfg_path = args.dir.join("onceq.toml");
+    std::fs::write(&cfg_path, config_text(&args, &guests))?;
+    let cfg = Config::load(&cfg_path)?;
+
+    println!("onceq demo: {} messages, payments + inventory handlers, SQLite (synchronous={})", args.messages, args.synchronous);
+    let base = app::init(&cfg)?;
+    seed(base.as_ref()).await?;
+    let (msgs, expected) = generate(args.messages, args.seed);
+    app::send_many(base.as_ref(), msgs, 1000).await?;
+    println!(
+        "  seeded {ACCOUNTS} accounts and {ITEMS} items; sent {} messages ({} of them bad on purpose)",
+        args.messages, expected.bad
+    );
+
+    let (faulty, fault_counts) = FaultyStore::new(
+        base.clone(),
+        FaultPlan { after_commit: args.faults / 2.0, before_commit: args.faults / 2.0, limit: None, seed: args.seed },
+    );
+    let store: Arc<dyn Store> = Arc::new(faulty);
+    let runtime = Runtime::new(cfg.runtime.clone())?;
+    let runners = app::build_runners(&cfg, &store, &runtime)?;
+
+    let bar = indicatif::ProgressBar::new(args.messages as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} messages  {per_sec}  eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let (tx, _) = tokio::sync::watch::channel(false);
+    let tx = Arc::new(tx);
+    let started = Instant::now();
+    let run = tokio::spawn(protocol::run_queues(store.clone(), runners.clone(), tx.clone(), true));
+    let signal_tx = tx.clone();
+    let signals = tokio::spawn(async move {
+        app::shutdown_signal().await;
+        let _ = signal_tx.send(true);
+    });
+    while !run.is_finished() {
+        bar.set_position(runners.iter().map(|r| r.metrics.finished()).sum());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    run.await?;
+    signals.abort();
+    let elapsed = started.elapsed();
+    bar.set_position(runners.iter().map(|r| r.metrics.finished()).sum());
+    bar.finish();
+
+    summarize(&runners, base.as_ref(), &expected, elapsed, fault_counts.total(), args.messages).await
+}
+
+fn sum(runners: &[Arc<QueueRunner>], f: impl Fn(&protocol::Metrics) -> u64) -> u64 {
+    runners.iter().map(|r| f(&r.metrics)).sum()
+}
+
+async fn summarize(
+    runners: &[Arc<QueueRunner>],
+    store: &dyn Store,
+    expected: &Expected,
+    elapsed: Duration,
+    faults: u64,
+    sent: usize,
+) -> anyhow::Result<ExitCode> {
+    let processed = sum(runners, |m| m.processed.load(Relaxed));
+    let already = sum(runners, |m| m.already_committed.load(Relaxed));
+    let dead = sum(runners, |m| m.dead_lettered.load(Relaxed));
+    let p50 = runners.iter().map(|r| r.metrics.latency_quantile(0.5)).max().unwrap_or(0);
+    let p99 = runners.iter().map(|r| r.metrics.latency_quantile(0.99)).max().unwrap_or(0);
+    println!();
+    println!("summary");
+    println!("  processed (acked)          {processed}");
+    println!("  already committed          {already}   (unknown outcome, first commit had landed)");
+    println!("  retried attempts           {}", sum(runners, |m| m.retried.load(Relaxed)));
+    println!("  dead-lettered              {dead}");
+    println!("  unknown outcomes injected  {faults}   (re-runs: {})", sum(runners, |m| m.unknown_outcomes.load(Relaxed)));
+    println!("  aborted + re-run           {}", sum(runners, |m| m.aborted_reruns.load(Relaxed)));
+    println!(
+        "  throughput                 {:.0} messages/s  ({:.2}s; latency p50 {:.2} ms, p99 {:.2} ms)",
+        (processed + already + dead) as f64 / elapsed.as_secs_f64(),
+        elapsed.as_secs_f64(),
+        p50 as f64 / 1000.0,
+        p99 as f64 / 1000.0
+    );
+
+    let accounts = store.table_rows("accounts").await?;
+    let orders = store.table_rows("orders").await?;
+    let items = store.table_rows("items").await?;
+    let reservations = store.table_rows("reservations").await?;
+    let outbox = store.outbox_list(usize::MAX).await?;
+    let stats = store.stats().await?;
+    let balances: i64 = accounts.iter().map(|r| int(r, "balance")).sum();
+    let charged: Vec<&Row> = orders.iter().filter(|r| text(r, "status") == "charged").collect();
+    let charged_sum: i64 = charged.iter().map(|r| int(r, "amount")).sum();
+    let stock: i64 = items.iter().map(|r| int(r, "stock")).sum();
+    let reserved: i64 = reservations.iter().filter(|r| text(r, "status") == "reserved").map(|r| int(r, "qty")).sum();
+    let charge_keys: std::collections::BTreeSet<&str> = outbox.iter().filter(|i| i.connector == "charge").map(|i| i.idempotency_key.as_str()).collect();
+    let every_charge_has_intent = charged.iter().all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
+    println!("  intents in the outbox      {}", outbox.len());
+    let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
+    let dead_in_table: u64 = stats.queues.iter().map(|q| q.dead).sum();
+
+    let checks = [
+        (
+            format!("money conserved: balances {balances} + charged {charged_sum} = {}", ACCOUNTS as i64 * OPENING_BALANCE),
+            balances + charged_sum == ACCOUNTS as i64 * OPENING_BALANCE,
+        ),
+        (format!("each payment order processed once: {} orders for {} valid messages", orders.len(), expected.payments_ok), orders.len() == expected.payments_ok),
+        (
+            format!("one charge intent per charged order: {} intents, {} charged", charge_keys.len(), charged.len()),
+            charge_keys.len() == charged.len() && every_charge_has_intent,
+        ),
+        (
+            format!("stock conserved: stock {stock} + reserved {reserved} = {}", ITEMS as i64 * OPENING_STOCK),
+            stock + reserved == ITEMS as i64 * OPENING_STOCK,
+        ),
+        (
+            format!("each reservation processed once: {} rows for {} valid messages", reservations.len(), expected.inventory_ok),
+            reservations.len() == expected.inventory_ok,
+        ),
+        (format!("bad messages dead-lettered: {dead_in_table} of {}", expected.bad), dead_in_table == expected.bad as u64),
+        (
+            format!("every message accounted for: {} acked + {dead_in_table} dead = {sent} sent, {left} left", processed + already),
+            processed + already + dead_in_table == sent as u64 && left == 0,
+        ),
+    ];
+    println!();
+    println!("invariants");
+    let mut ok = true;
+    for (what, pass) in &checks {
+        ok &= pass;
+        println!("  {} {what}", if *pass { "ok  " } else { "FAIL" });
+    }
+    if let Some(d) = store.dead_letter_list(None, 1).await?.first() {
+        println!();
+        println!("  e.g. dead letter {}: {}", d.id, d.reason);
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

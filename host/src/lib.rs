@@ -1,0 +1,28 @@
+//! onceq: exactly-once message handlers, shipped as WebAssembly components,
+//! on queues stored in a database (an embedded SQLite file by default).
+//!
+//! # Layout
+//!
+//! Data flows one way: store -> protocol -> runtime -> protocol -> store.
+//!
+//! - [`store`]: the `Store` trait (queue backend) and its implementations;
+//!   `sqlite` is the embedded default; `faulty` injects unknown commit
+//!   outcomes for tests.
+//! - [`protocol`]: lease -> handle -> apply + ack -> commit, re-runs, retries
+//!   and dead-lettering. No Wasm in here: it drives any `Handler`.
+//! - [`runtime`]: wasmtime engine, component validation, the deterministic
+//!   WASI subset, per-message instances and limits. `WasmHandler` is a
+//!   `Handler`.
+//! - [`schema`]: business tables as read from the database, and write
+//!   validation.
+//! - [`config`]: `onceq.toml`.
+//! - [`app`]: what the CLI commands do (the `onceq` binary is a thin shell).
+
+pub mod app;
+pub mod config;
+pub mod demo;
+pub mod protocol;
+pub mod runtime;
+pub mod schema;
+pub mod store;
+pub mod value;

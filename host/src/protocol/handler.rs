@@ -1,0 +1,168 @@
+//! The `Handler` trait (message in, effects out) and the read scope a
+//! handler reads through.
+//!
+//! The Wasm runtime is one `Handler`; [`NativeHandler`] (a Rust closure) is
+//! another, used by tests and as the benchmark baseline. The protocol does
+//! not know which one it drives.
+
+use crate::schema::Schema;
+use crate::store::{StoreError, Transaction};
+use crate::value::{Effect, Message, Row, Value};
+use async_trait::async_trait;
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a handler produced no effects.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandlerFailure {
+    /// The handler asked to be retried later.
+    Retry { reason: String, delay: Option<Duration> },
+    /// The handler rejected the message: dead-letter it now.
+    Reject(String),
+    /// The handler failed (trap, deadline, memory limit, exit, bad effect,
+    /// forbidden read...): counts as an attempt; dead-lettered after the
+    /// last one.
+    Failed(String),
+}
+
+impl std::fmt::Display for HandlerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandlerFailure::Retry { reason, .. } => write!(f, "handler asked to retry: {reason}"),
+            HandlerFailure::Reject(r) => write!(f, "rejected by handler: {r}"),
+            HandlerFailure::Failed(r) => write!(f, "handler failed: {r}"),
+        }
+    }
+}
+
+/// What a handler call returns: the read scope (handed back so the protocol
+/// can commit its transaction) and the effects or the failure.
+pub struct HandleOutput {
+    pub scope: ReadScope,
+    pub result: Result<Vec<Effect>, HandlerFailure>,
+}
+
+/// A message handler.
+#[async_trait]
+pub trait Handler: Send + Sync {
+    /// The version of the code (content hash for a component).
+    fn version(&self) -> &str;
+
+    /// Handle one message, reading through `scope`.
+    async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput;
+}
+
+/// The reads a handler may make for one message: checked against the
+/// queue's grants and the schema, served from the message's transaction.
+pub struct ReadScope {
+    tx: Box<dyn Transaction>,
+    schema: Arc<Schema>,
+    tables: Arc<BTreeSet<String>>,
+    /// The first refused read (ungranted or unknown table, bad key): the
+    /// attempt fails even if the handler swallows the error.
+    pub violation: Option<String>,
+    /// A store failure during a read: the attempt is re-run or failed by
+    /// the protocol according to its class.
+    pub store_error: Option<StoreError>,
+    /// Number of reads served.
+    pub reads: u64,
+}
+
+/// Cap on the rows one scan may return to a handler.
+pub const MAX_SCAN_ROWS: u32 = 1000;
+
+impl ReadScope {
+    pub fn new(tx: Box<dyn Transaction>, schema: Arc<Schema>, tables: Arc<BTreeSet<String>>) -> ReadScope {
+        ReadScope { tx, schema, tables, violation: None, store_error: None, reads: 0 }
+    }
+
+    /// Give the transaction back (for commit or rollback).
+    pub fn into_transaction(self) -> Box<dyn Transaction> {
+        self.tx
+    }
+
+    pub fn transaction(&mut self) -> &mut dyn Transaction {
+        &mut *self.tx
+    }
+
+    fn refuse(&mut self, reason: String) -> String {
+        if self.violation.is_none() {
+            self.violation = Some(reason.clone());
+        }
+        reason
+    }
+
+    fn check(&mut self, table: &str, key: &[Value], prefix: bool) -> Result<crate::schema::TableSchema, String> {
+        if !self.tables.contains(table) {
+            return Err(self.refuse(format!("read of table {table} is not granted to this queue")));
+        }
+        let schema = self.schema.clone();
+        let t = match schema.table(table) {
+            Ok(t) => t,
+            Err(e) => return Err(self.refuse(e)),
+        };
+        if let Err(e) = t.check_key(key, prefix) {
+            return Err(self.refuse(e));
+        }
+        Ok(t.clone())
+    }
+
+    /// Point read by primary key.
+    pub async fn get(&mut self, table: &str, key: &[Value]) -> Result<Option<Row>, String> {
+        let t = self.check(table, key, false)?;
+        self.reads += 1;
+        match self.tx.row_get(&t, key).await {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let msg = e.to_string();
+                self.store_error.get_or_insert(e);
+                Err(msg)
+            }
+        }
+    }
+
+    /// Prefix scan, at most `limit` rows (capped at [`MAX_SCAN_ROWS`]).
+    pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, String> {
+        let t = self.check(table, prefix, true)?;
+        self.reads += 1;
+        match self.tx.row_scan(&t, prefix, limit.min(MAX_SCAN_ROWS) as usize).await {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let msg = e.to_string();
+                self.store_error.get_or_insert(e);
+                Err(msg)
+            }
+        }
+    }
+}
+
+type NativeFn = dyn Fn(Message, ReadScope) -> Pin<Box<dyn Future<Output = HandleOutput> + Send>> + Send + Sync;
+
+/// A handler written as a Rust async closure (tests, benchmarks).
+pub struct NativeHandler {
+    version: String,
+    f: Box<NativeFn>,
+}
+
+impl NativeHandler {
+    pub fn new<F, Fut>(version: &str, f: F) -> NativeHandler
+    where
+        F: Fn(Message, ReadScope) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HandleOutput> + Send + 'static,
+    {
+        NativeHandler { version: version.to_string(), f: Box::new(move |m, s| Box::pin(f(m, s))) }
+    }
+}
+
+#[async_trait]
+impl Handler for NativeHandler {
+    fn version(&self) -> &str {
+        &self.version
+    }
+    async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput {
+        (self.f)(msg.clone(), scope).await
+    }
+}

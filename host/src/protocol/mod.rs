@@ -1,0 +1,456 @@
+//! The exactly-once protocol, per message. No Wasm in here: it drives any
+//! [`Handler`] against any [`Store`].
+//!
+//! 1. **Lease** a batch (`Store::message_lease`): database time, new token,
+//!    attempt + 1.
+//! 2. **Handle** inside a message transaction: the handler reads through a
+//!    [`ReadScope`] served by the transaction.
+//! 3. **Apply + ack**: check the effects against grants, schema and limits;
+//!    buffer the writes, outbox intents and follow-ups; buffer the ack
+//!    (delete the message, guarded by its lease token, asserting one row).
+//! 4. **Commit**:
+//!    - success: acked;
+//!    - aborted / unavailable: re-run from step 2 (bounded, with backoff);
+//!    - unknown outcome: re-run from step 2. If the first commit landed, the
+//!      ack now fails with `LeaseLost`, the store rolls everything back, and
+//!      the message is counted as *already committed*: its effects were
+//!      applied exactly once, by the first commit;
+//!    - lease lost: rolled back, nothing written; the new holder processes it.
+//! 5. **Handler failures**: *retry* → roll back, then (guarded by the token)
+//!    make the message visible after a backoff; *reject* → dead-letter now;
+//!    a trap, deadline, memory-limit hit or bad effect → retry with backoff
+//!    until `max_attempts`, then dead-letter, with the reason, in one
+//!    transaction.
+//!
+//! An error is never caught to commit "the rest": every path that does not
+//! reach a successful commit with its ack leaves the database as it was.
+
+pub mod effects;
+pub mod handler;
+
+pub use effects::{EffectLimits, Grants};
+pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadScope};
+
+use crate::store::{DeadLetterParams, LeaseParams, LeasedMessage, Store, StoreError};
+use rand::RngExt;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+/// How a queue is worked.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Lease duration for each message.
+    pub lease: Duration,
+    /// After this many attempts a failing message is dead-lettered.
+    pub max_attempts: u32,
+    /// First retry delay; doubles per attempt.
+    pub backoff_initial: Duration,
+    /// Retry delay cap.
+    pub backoff_max: Duration,
+    /// Concurrent workers (tokio tasks) on this queue.
+    pub workers: usize,
+    /// Messages leased per round trip.
+    pub batch: usize,
+    /// How many times one attempt's transaction is re-run after aborts or
+    /// unknown outcomes before the attempt counts as failed.
+    pub max_reruns: u32,
+    /// Longest pause between polls of an empty queue.
+    pub poll_max: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            lease: Duration::from_secs(10),
+            max_attempts: 5,
+            backoff_initial: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            workers: 4,
+            batch: 8,
+            max_reruns: 20,
+            poll_max: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Everything the protocol needs to work one queue.
+pub struct QueueSpec {
+    pub name: String,
+    pub handler: Arc<dyn Handler>,
+    pub grants: Grants,
+    pub limits: EffectLimits,
+    pub policy: Policy,
+}
+
+/// Counters for one queue (also what `make run` summarizes).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Committed with their ack.
+    pub processed: AtomicU64,
+    /// Found already committed after an unknown outcome.
+    pub already_committed: AtomicU64,
+    /// Attempts that ended in a retry (handler asked, or failed).
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    /// Transactions re-run after an abort.
+    pub aborted_reruns: AtomicU64,
+    /// Commits with an unknown outcome (each re-run).
+    pub unknown_outcomes: AtomicU64,
+    /// Lost leases (another worker holds the message now).
+    pub lease_lost: AtomicU64,
+    /// Released unprocessed at shutdown.
+    pub released: AtomicU64,
+    pub writes: AtomicU64,
+    pub intents: AtomicU64,
+    pub enqueued: AtomicU64,
+    /// Lease-to-outcome latency, microseconds.
+    pub latency_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+}
+
+impl Metrics {
+    fn record_latency(&self, d: Duration) {
+        if let Ok(mut h) = self.latency_us.lock() {
+            if h.is_none() {
+                *h = hdrhistogram::Histogram::new(3).ok();
+            }
+            if let Some(h) = h.as_mut() {
+                let _ = h.record(d.as_micros().max(1) as u64);
+            }
+        }
+    }
+
+    /// Latency quantile in microseconds (0 when nothing was recorded).
+    pub fn latency_quantile(&self, q: f64) -> u64 {
+        self.latency_us.lock().ok().and_then(|h| h.as_ref().map(|h| h.value_at_quantile(q))).unwrap_or(0)
+    }
+
+    /// Messages that reached a final outcome (acked once or dead-lettered).
+    pub fn finished(&self) -> u64 {
+        self.processed.load(Ordering::Relaxed) + self.already_committed.load(Ordering::Relaxed) + self.dead_lettered.load(Ordering::Relaxed)
+    }
+}
+
+/// The final outcome of one leased message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Acked,
+    /// An earlier commit with unknown outcome had landed.
+    AlreadyCommitted,
+    RetryLater(String),
+    DeadLettered(String),
+    LeaseLost,
+    Released,
+}
+
+/// Works one queue: leases, runs the handler, commits.
+pub struct QueueRunner {
+    pub spec: QueueSpec,
+    store: Arc<dyn Store>,
+    tables: Arc<BTreeSet<String>>,
+    pub metrics: Arc<Metrics>,
+}
+
+enum AttemptError {
+    Store(StoreError),
+    Handler(HandlerFailure),
+}
+
+impl QueueRunner {
+    pub fn new(spec: QueueSpec, store: Arc<dyn Store>) -> QueueRunner {
+        let tables = Arc::new(spec.grants.tables.clone());
+        QueueRunner { spec, store, tables, metrics: Arc::new(Metrics::default()) }
+    }
+
+    /// Run `workers` tasks until `shutdown` turns true; in-flight messages
+    /// finish, leased-but-unstarted ones are released.
+    pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..self.spec.policy.workers.max(1) {
+            let me = self.clone();
+            let sd = shutdown.clone();
+            tasks.spawn(async move { me.worker(w, sd).await });
+        }
+        while let Some(r) = tasks.join_next().await {
+            if let Err(e) = r {
+                warn!(queue = %self.spec.name, "worker task ended abnormally: {e}");
+            }
+        }
+    }
+
+    async fn worker(&self, n: usize, mut shutdown: watch::Receiver<bool>) {
+        let p = &self.spec.policy;
+        let mut idle = Duration::from_millis(2);
+        debug!(queue = %self.spec.name, worker = n, "worker started");
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            let leased = self
+                .store
+                .message_lease(LeaseParams { queue: self.spec.name.clone(), limit: p.batch.max(1), lease: p.lease })
+                .await;
+            let batch = match leased {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(queue = %self.spec.name, "lease failed: {e}");
+                    sleep_or_shutdown(&mut shutdown, jittered(p.poll_max)).await;
+                    continue;
+                }
+            };
+            if batch.is_empty() {
+                sleep_or_shutdown(&mut shutdown, jittered(idle)).await;
+                idle = (idle * 2).min(p.poll_max);
+                continue;
+            }
+            idle = Duration::from_millis(2);
+            let mut rest = batch.into_iter();
+            for lm in rest.by_ref() {
+                self.process(&lm).await;
+                if *shutdown.borrow() {
+                    break;
+                }
+            }
+            for lm in rest {
+                self.release(&lm).await;
+            }
+        }
+        debug!(queue = %self.spec.name, worker = n, "worker stopped");
+    }
+
+    async fn release(&self, lm: &LeasedMessage) {
+        match self.store.message_release(&lm.lease).await {
+            Ok(()) => {
+                self.metrics.released.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => warn!(queue = %self.spec.name, message_id = %lm.message.id, "release failed (the lease will expire): {e}"),
+        }
+    }
+
+    /// Process one leased message to its final outcome.
+    pub async fn process(&self, lm: &LeasedMessage) -> Outcome {
+        let span = info_span!(
+            "message",
+            messaging.system = "onceq",
+            otel.kind = "consumer",
+            queue = %lm.message.queue,
+            message_id = %lm.message.id,
+            attempt = lm.message.attempt,
+            version = %self.spec.handler.version(),
+            outcome = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let outcome = self.process_inner(lm).instrument(span.clone()).await;
+        span.record("outcome", tracing::field::debug(&outcome));
+        let m = &self.metrics;
+        match &outcome {
+            Outcome::Acked => {
+                m.processed.fetch_add(1, Ordering::Relaxed);
+                m.record_latency(started.elapsed());
+            }
+            Outcome::AlreadyCommitted => {
+                m.already_committed.fetch_add(1, Ordering::Relaxed);
+                m.record_latency(started.elapsed());
+            }
+            Outcome::RetryLater(_) => {
+                m.retried.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::DeadLettered(reason) => {
+                m.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                info!(parent: &span, "dead-lettered: {reason}");
+            }
+            Outcome::LeaseLost => {
+                m.lease_lost.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Released => {
+                m.released.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        outcome
+    }
+
+    async fn process_inner(&self, lm: &LeasedMessage) -> Outcome {
+        let mut unknown_seen = false;
+        let mut reruns = 0u32;
+        loop {
+            let err = match self.attempt(lm).await {
+                Ok(()) => return Outcome::Acked,
+                Err(e) => e,
+            };
+            match err {
+                AttemptError::Store(e) if (e.is_retryable() || e.is_unknown_outcome()) && reruns < self.spec.policy.max_reruns => {
+                    reruns += 1;
+                    if e.is_unknown_outcome() {
+                        unknown_seen = true;
+                        self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
+                        info!("commit outcome unknown, re-running the message: {e}");
+                    } else {
+                        self.metrics.aborted_reruns.fetch_add(1, Ordering::Relaxed);
+                        debug!("transaction aborted, re-running: {e}");
+                        tokio::time::sleep(jittered(Duration::from_millis(1 << reruns.min(6)))).await;
+                    }
+                }
+                AttemptError::Store(StoreError::LeaseLost { .. }) => {
+                    return if unknown_seen {
+                        info!("ack refused after an unknown commit outcome: the earlier commit landed");
+                        Outcome::AlreadyCommitted
+                    } else {
+                        warn!("lease lost before commit; rolled back, the new lease holder will process the message");
+                        Outcome::LeaseLost
+                    };
+                }
+                AttemptError::Store(StoreError::WriteRefused(m)) => {
+                    return self.fail(lm, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen).await;
+                }
+                AttemptError::Store(e) => {
+                    return self.fail(lm, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen).await;
+                }
+                AttemptError::Handler(f) => return self.fail(lm, f, unknown_seen).await,
+            }
+        }
+    }
+
+    /// One run of steps 2-4.
+    async fn attempt(&self, lm: &LeasedMessage) -> Result<(), AttemptError> {
+        let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
+        let schema = self.store.schema();
+        let scope = ReadScope::new(tx, schema.clone(), self.tables.clone());
+        let HandleOutput { scope, result } = self.spec.handler.handle(&lm.message, scope).await;
+        let violation = scope.violation.clone();
+        let store_error = scope.store_error.clone();
+        let mut tx = scope.into_transaction();
+        let failure = if let Some(e) = store_error {
+            Some(AttemptError::Store(e))
+        } else if let Some(v) = violation {
+            Some(AttemptError::Handler(HandlerFailure::Failed(v)))
+        } else {
+            None
+        };
+        let effects = match (failure, result) {
+            (Some(f), _) => {
+                tx.rollback().await;
+                return Err(f);
+            }
+            (None, Err(f)) => {
+                tx.rollback().await;
+                return Err(AttemptError::Handler(f));
+            }
+            (None, Ok(e)) => e,
+        };
+        let counts = match effects::check_and_buffer(&lm.message, effects, &self.spec.grants, &self.spec.limits, &schema, &mut *tx) {
+            Ok(c) => c,
+            Err(reason) => {
+                tx.rollback().await;
+                return Err(AttemptError::Handler(HandlerFailure::Failed(format!("bad effect: {reason}"))));
+            }
+        };
+        tx.message_ack(&lm.lease);
+        tx.commit().await.map_err(AttemptError::Store)?;
+        let m = &self.metrics;
+        m.writes.fetch_add(counts.writes, Ordering::Relaxed);
+        m.intents.fetch_add(counts.intents, Ordering::Relaxed);
+        m.enqueued.fetch_add(counts.enqueued, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn backoff(&self, attempt: u32) -> Duration {
+        let p = &self.spec.policy;
+        let exp = p.backoff_initial.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+        jittered(exp.min(p.backoff_max))
+    }
+
+    /// Step 5: retry later or dead-letter, guarded by the lease token.
+    async fn fail(&self, lm: &LeasedMessage, failure: HandlerFailure, mut unknown_seen: bool) -> Outcome {
+        let attempt = lm.message.attempt;
+        let max = self.spec.policy.max_attempts;
+        let version = Some(self.spec.handler.version().to_string());
+        enum Step {
+            Retry(Duration, String),
+            Dead(String),
+        }
+        let step = match &failure {
+            HandlerFailure::Reject(_) => Step::Dead(failure.to_string()),
+            _ if attempt >= max => Step::Dead(format!("{failure} (gave up after {attempt} attempts)")),
+            HandlerFailure::Retry { delay, .. } => Step::Retry(delay.unwrap_or_else(|| self.backoff(attempt)), failure.to_string()),
+            HandlerFailure::Failed(_) => Step::Retry(self.backoff(attempt), failure.to_string()),
+        };
+        let mut tries = 0;
+        loop {
+            let r = match &step {
+                Step::Retry(d, reason) => self.store.message_retry_later(&lm.lease, *d, reason).await,
+                Step::Dead(reason) => {
+                    self.store.message_dead_letter(&lm.lease, DeadLetterParams { reason: reason.clone(), handler_version: version.clone() }).await
+                }
+            };
+            match r {
+                Ok(()) => {
+                    return match step {
+                        Step::Retry(d, reason) => {
+                            info!("attempt {attempt} failed, next in {d:?}: {reason}");
+                            Outcome::RetryLater(reason)
+                        }
+                        Step::Dead(reason) => Outcome::DeadLettered(reason),
+                    }
+                }
+                Err(StoreError::LeaseLost { .. }) => {
+                    return if unknown_seen { Outcome::AlreadyCommitted } else { Outcome::LeaseLost };
+                }
+                Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && tries < self.spec.policy.max_reruns => {
+                    tries += 1;
+                    unknown_seen |= e.is_unknown_outcome();
+                    tokio::time::sleep(jittered(Duration::from_millis(1 << tries.min(6)))).await;
+                }
+                Err(e) => {
+                    warn!("could not record the failure (the lease will expire and the message will be retried): {e}; failure was: {failure}");
+                    return Outcome::LeaseLost;
+                }
+            }
+        }
+    }
+}
+
+/// `d` ± 20 %.
+pub fn jittered(d: Duration) -> Duration {
+    let f: f64 = rand::rng().random_range(0.8..1.2);
+    d.mul_f64(f)
+}
+
+async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = shutdown.changed() => {}
+    }
+}
+
+/// Run several queues until `shutdown` turns true (the caller sends it, on a
+/// signal say). With `until_empty`, also send it once no queue has a ready,
+/// leased or delayed message left.
+pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, shutdown: Arc<watch::Sender<bool>>, until_empty: bool) {
+    let rx = shutdown.subscribe();
+    let mut tasks = tokio::task::JoinSet::new();
+    for r in &runners {
+        let r = r.clone();
+        let rx = rx.clone();
+        tasks.spawn(async move { r.run(rx).await });
+    }
+    if until_empty {
+        let names: BTreeSet<String> = runners.iter().map(|r| r.spec.name.clone()).collect();
+        let mut rx = rx.clone();
+        tasks.spawn(async move {
+            while !*rx.borrow() {
+                if let Ok(stats) = store.stats().await {
+                    let left: u64 = stats.queues.iter().filter(|q| names.contains(&q.queue)).map(|q| q.ready + q.leased + q.delayed).sum();
+                    if left == 0 {
+                        let _ = shutdown.send(true);
+                        return;
+                    }
+                }
+                sleep_or_shutdown(&mut rx, Duration::from_millis(50)).await;
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}

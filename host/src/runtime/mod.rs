@@ -1,0 +1,450 @@
+//! The Wasm runtime: wasmtime's component model behind the [`Handler`] trait.
+//!
+//! - **Deploy-time checks** ([`Runtime::load`]): the bytes must be a
+//!   component (not a core module), import only `onceq:handler/*` and the
+//!   deterministic WASI subset ([`wasi`]), and export
+//!   `onceq:handler/handler`. Every refusal names the problem.
+//! - **Isolation**: a fresh instance per message, from a cached
+//!   `InstancePre`, with the pooling allocator (so instantiation is cheap);
+//!   no state leaks from one message to the next.
+//! - **Limits**: an epoch deadline per call (a 10 ms ticker; the call traps
+//!   after its deadline), a linear-memory cap, and (in the protocol) bounds
+//!   on the effects. A trap, a deadline, a memory-limit hit or `exit` is a
+//!   [`HandlerFailure::Failed`] with a reason — never a host crash.
+
+pub mod wasi;
+
+use crate::protocol::{HandleOutput, Handler, HandlerFailure, ReadScope};
+use crate::value::{self, Effect, Message};
+use async_trait::async_trait;
+use sha2::Digest;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, UpdateDeadline};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "queue-handler",
+        imports: { default: async },
+        exports: { default: async },
+    });
+}
+
+use bindings::onceq::handler::types as wit;
+
+/// Epoch tick period: deadlines are measured in these.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Engine-wide settings.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Instances that may be live at once (pooling allocator slots).
+    pub max_instances: u32,
+    /// Largest linear memory any handler may be given.
+    pub max_memory: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { max_instances: 128, max_memory: 64 << 20 }
+    }
+}
+
+/// Per-handler limits.
+#[derive(Debug, Clone, Copy)]
+pub struct HandlerLimits {
+    /// Wall-clock budget of one call (instantiation included).
+    pub deadline: Duration,
+    /// Linear memory cap, bytes.
+    pub memory: usize,
+}
+
+impl Default for HandlerLimits {
+    fn default() -> Self {
+        HandlerLimits { deadline: Duration::from_secs(1), memory: 64 << 20 }
+    }
+}
+
+/// A refused component, with what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum DeployError {
+    #[error("not a WebAssembly binary (no \\0asm header)")]
+    NotWasm,
+    #[error("this is a core WebAssembly module, not a component: build the handler for wasm32-wasip2 (or wrap it with `wasm-tools component new`)")]
+    CoreModule,
+    #[error("invalid component: {0}")]
+    Invalid(String),
+    #[error("the component imports interfaces a handler may not use: {}", .0.join(", "))]
+    ForbiddenImports(Vec<String>),
+    #[error("the component does not export onceq:handler/handler (it exports: {}); build it against wit/handler.wit, e.g. with onceq_guest::export_handler!", if .0.is_empty() { "nothing".to_string() } else { .0.join(", ") })]
+    NoHandlerExport(Vec<String>),
+    #[error("the component does not fit the onceq:handler world: {0}")]
+    WrongWorld(String),
+}
+
+/// What `onceq check` prints.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ComponentInfo {
+    /// Content hash (sha256, first 16 hex digits).
+    pub version: String,
+    pub size: usize,
+    pub imports: Vec<String>,
+    pub exports: Vec<String>,
+}
+
+struct EpochTicker {
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The wasmtime engine and linker shared by every handler of a host.
+pub struct Runtime {
+    engine: Engine,
+    linker: Arc<Linker<HostState>>,
+    config: RuntimeConfig,
+    _ticker: EpochTicker,
+}
+
+impl Runtime {
+    pub fn new(config: RuntimeConfig) -> anyhow::Result<Runtime> {
+        let mut pool = PoolingAllocationConfig::default();
+        let n = config.max_instances.max(1);
+        pool.total_component_instances(n)
+            .total_core_instances(n * 8)
+            .total_memories(n * 2)
+            .total_tables(n * 8)
+            .total_stacks(n)
+            .max_core_instances_per_component(16)
+            .max_memories_per_component(4)
+            .max_tables_per_component(16)
+            .max_memory_size(config.max_memory)
+            .linear_memory_keep_resident(1 << 20)
+            .table_keep_resident(1 << 16)
+            .pagemap_scan(wasmtime::Enabled::Auto);
+        let mut cfg = Config::new();
+        cfg.wasm_component_model(true)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("creating the wasmtime engine: {e}"))?;
+        let mut linker = Linker::<HostState>::new(&engine);
+        bindings::QueueHandler::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(|e| anyhow::anyhow!("linking onceq:handler: {e}"))?;
+        wasi::add_to_linker(&mut linker).map_err(|e| anyhow::anyhow!("linking the WASI subset: {e}"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("onceq-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(EPOCH_TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| anyhow::anyhow!("starting the epoch ticker: {e}"))?;
+        }
+        Ok(Runtime { engine, linker: Arc::new(linker), config, _ticker: EpochTicker { stop } })
+    }
+
+    /// Check and compile a component, without preparing it for a queue.
+    pub fn inspect(&self, bytes: &[u8]) -> Result<(Component, ComponentInfo), DeployError> {
+        if bytes.len() < 8 || &bytes[0..4] != b"\0asm" {
+            return Err(DeployError::NotWasm);
+        }
+        if bytes[4..8] == [1, 0, 0, 0] {
+            return Err(DeployError::CoreModule);
+        }
+        let component = Component::new(&self.engine, bytes).map_err(|e| DeployError::Invalid(format!("{e:#}")))?;
+        let ty = component.component_type();
+        let imports: Vec<String> = ty.imports(&self.engine).map(|(n, _)| n.to_string()).collect();
+        let exports: Vec<String> = ty.exports(&self.engine).map(|(n, _)| n.to_string()).collect();
+        let version = hex16(&sha2::Sha256::digest(bytes));
+        Ok((component, ComponentInfo { version, size: bytes.len(), imports, exports }))
+    }
+
+    /// Validate, compile and prepare a handler component.
+    pub fn load(&self, bytes: &[u8], limits: HandlerLimits) -> Result<WasmHandler, DeployError> {
+        let (component, info) = self.inspect(bytes)?;
+        let forbidden = wasi::check_imports(info.imports.iter().map(String::as_str));
+        if !forbidden.is_empty() {
+            return Err(DeployError::ForbiddenImports(forbidden));
+        }
+        if !info.exports.iter().any(|e| wasi::unversioned(e) == "onceq:handler/handler") {
+            return Err(DeployError::NoHandlerExport(info.exports));
+        }
+        let pre = self.linker.instantiate_pre(&component).map_err(|e| DeployError::WrongWorld(format!("{e:#}")))?;
+        let pre = bindings::QueueHandlerPre::new(pre).map_err(|e| DeployError::WrongWorld(format!("{e:#}")))?;
+        let limits = HandlerLimits { memory: limits.memory.min(self.config.max_memory), ..limits };
+        Ok(WasmHandler { pre, version: info.version, limits })
+    }
+
+    /// Load a handler from a file, naming the file in errors.
+    pub fn load_file(&self, path: &std::path::Path, limits: HandlerLimits) -> anyhow::Result<WasmHandler> {
+        let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
+        self.load(&bytes, limits).map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+fn hex16(bytes: &[u8]) -> String {
+    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Caps one store's memories, tables and instances, and remembers whether
+/// the memory cap was what stopped the guest.
+pub struct Limiter {
+    memory: usize,
+    memory_hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.memory {
+            self.memory_hit = true;
+            return Err(wasmtime::Error::msg(format!(
+                "memory limit of {} bytes exceeded (growing from {current} to {desired} bytes)",
+                self.memory
+            )));
+        }
+        Ok(true)
+    }
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 1_000_000)
+    }
+    fn instances(&self) -> usize {
+        32
+    }
+    fn tables(&self) -> usize {
+        64
+    }
+    fn memories(&self) -> usize {
+        8
+    }
+}
+
+/// The per-message store state.
+pub struct HostState {
+    wasi: wasi::DeterministicWasi,
+    table: ResourceTable,
+    limiter: Limiter,
+    scope: ReadScope,
+    ticks: u64,
+    deadline_ticks: u64,
+    timed_out: bool,
+}
+
+impl wasmtime_wasi::WasiView for HostState {
+    fn ctx(&mut self) -> wasmtime_wasi::WasiCtxView<'_> {
+        wasmtime_wasi::WasiCtxView { ctx: &mut self.wasi.ctx, table: &mut self.table }
+    }
+}
+
+impl wit::Host for HostState {}
+
+fn value_from_wit(v: wit::Value) -> value::Value {
+    match v {
+        wit::Value::Null => value::Value::Null,
+        wit::Value::Boolean(b) => value::Value::Bool(b),
+        wit::Value::Int64(i) => value::Value::Int64(i),
+        wit::Value::Float64(f) => value::Value::Float64(f),
+        wit::Value::Text(s) => value::Value::String(s),
+        wit::Value::Bytes(b) => value::Value::Bytes(b),
+        wit::Value::Json(s) => value::Value::Json(s),
+        wit::Value::Timestamp(t) => value::Value::Timestamp(t),
+    }
+}
+
+fn value_to_wit(v: value::Value) -> wit::Value {
+    match v {
+        value::Value::Null => wit::Value::Null,
+        value::Value::Bool(b) => wit::Value::Boolean(b),
+        value::Value::Int64(i) => wit::Value::Int64(i),
+        value::Value::Float64(f) => wit::Value::Float64(f),
+        value::Value::String(s) => wit::Value::Text(s),
+        value::Value::Bytes(b) => wit::Value::Bytes(b),
+        value::Value::Json(s) => wit::Value::Json(s),
+        value::Value::Timestamp(t) => wit::Value::Timestamp(t),
+    }
+}
+
+fn row_to_wit(r: value::Row) -> Vec<wit::Column> {
+    r.into_iter().map(|(name, v)| wit::Column { name, value: value_to_wit(v) }).collect()
+}
+
+fn columns_from_wit(cols: Vec<wit::Column>) -> Vec<(String, value::Value)> {
+    cols.into_iter().map(|c| (c.name, value_from_wit(c.value))).collect()
+}
+
+fn effect_from_wit(e: wit::Effect) -> Effect {
+    match e {
+        wit::Effect::Write(w) => Effect::Write(value::RowWrite {
+            table: w.table,
+            op: match w.op {
+                wit::WriteOp::Insert => value::WriteOp::Insert,
+                wit::WriteOp::Update => value::WriteOp::Update,
+                wit::WriteOp::Upsert => value::WriteOp::Upsert,
+                wit::WriteOp::Delete => value::WriteOp::Delete,
+            },
+            columns: columns_from_wit(w.columns),
+        }),
+        wit::Effect::Enqueue(f) => Effect::Enqueue(value::FollowUp {
+            queue: f.queue,
+            payload: f.payload,
+            attributes: f.attributes,
+            delay_ms: f.delay_ms,
+            dedup_key: f.dedup_key,
+        }),
+        wit::Effect::Intent(i) => Effect::Intent(value::Intent {
+            connector: i.connector,
+            idempotency_key: i.idempotency_key,
+            payload: i.payload,
+            metadata: i.metadata,
+        }),
+    }
+}
+
+impl bindings::onceq::handler::store::Host for HostState {
+    async fn get(&mut self, table: String, key: Vec<wit::Value>) -> Result<Option<Vec<wit::Column>>, String> {
+        let key: Vec<value::Value> = key.into_iter().map(value_from_wit).collect();
+        self.scope.get(&table, &key).await.map(|r| r.map(row_to_wit))
+    }
+
+    async fn scan(&mut self, table: String, prefix: Vec<wit::Value>, limit: u32) -> Result<Vec<Vec<wit::Column>>, String> {
+        let prefix: Vec<value::Value> = prefix.into_iter().map(value_from_wit).collect();
+        self.scope.scan(&table, &prefix, limit).await.map(|rows| rows.into_iter().map(row_to_wit).collect())
+    }
+}
+
+impl bindings::onceq::handler::log::Host for HostState {
+    async fn log(&mut self, level: bindings::onceq::handler::log::Level, message: String) {
+        use bindings::onceq::handler::log::Level;
+        match level {
+            Level::Trace => tracing::trace!(target: "onceq::guest", "{message}"),
+            Level::Debug => tracing::debug!(target: "onceq::guest", "{message}"),
+            Level::Info => tracing::info!(target: "onceq::guest", "{message}"),
+            Level::Warn => tracing::warn!(target: "onceq::guest", "{message}"),
+            Level::Error => tracing::error!(target: "onceq::guest", "{message}"),
+        }
+    }
+}
+
+/// A handler component ready to run: one fresh instance per message.
+pub struct WasmHandler {
+    pre: bindings::QueueHandlerPre<HostState>,
+    version: String,
+    limits: HandlerLimits,
+}
+
+impl WasmHandler {
+    pub fn limits(&self) -> HandlerLimits {
+        self.limits
+    }
+
+    fn new_store(&self, msg: &Message, scope: ReadScope) -> Store<HostState> {
+        let engine = self.pre.engine();
+        let deadline_ticks = (self.limits.deadline.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64;
+        let state = HostState {
+            wasi: wasi::DeterministicWasi::new(msg.logical_now(), msg.seed()),
+            table: ResourceTable::new(),
+            limiter: Limiter { memory: self.limits.memory, memory_hit: false },
+            scope,
+            ticks: 0,
+            deadline_ticks,
+            timed_out: false,
+        };
+        let mut store = Store::new(engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(|mut ctx| {
+            let s = ctx.data_mut();
+            s.ticks += 1;
+            if s.ticks >= s.deadline_ticks {
+                s.timed_out = true;
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                // Let other tasks run while a long handler computes.
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        store
+    }
+
+    async fn call(&self, store: &mut Store<HostState>, msg: &Message) -> wasmtime::Result<Result<Vec<wit::Effect>, wit::HandlerError>> {
+        let instance = self.pre.instantiate_async(&mut *store).await?;
+        let m = wit::Message {
+            id: msg.id.clone(),
+            queue: msg.queue.clone(),
+            payload: msg.payload.clone(),
+            attributes: msg.attributes.clone(),
+            attempt: msg.attempt,
+            enqueued_at: msg.enqueued_at,
+            now: msg.logical_now(),
+            seed: msg.seed(),
+        };
+        instance.onceq_handler_handler().call_handle(&mut *store, &m).await
+    }
+}
+
+/// Log captured guest output inside the message's span; return the last
+/// stderr line (a Rust panic message lands there).
+fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
+    let out = wasi.stdout.contents();
+    for line in String::from_utf8_lossy(&out).lines().filter(|l| !l.is_empty()) {
+        tracing::info!(target: "onceq::guest", stream = "stdout", "{line}");
+    }
+    let err = wasi.stderr.contents();
+    let text = String::from_utf8_lossy(&err);
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        tracing::info!(target: "onceq::guest", stream = "stderr", "{line}");
+    }
+    text.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with("note:")).map(|l| l.trim().to_string())
+}
+
+#[async_trait]
+impl Handler for WasmHandler {
+    fn version(&self) -> &str {
+        &self.version
+    }
+
+    async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput {
+        let mut store = self.new_store(msg, scope);
+        let r = self.call(&mut store, msg).await;
+        let state = store.into_data();
+        let last_stderr = drain_stdio(&state.wasi);
+        let result = match r {
+            Ok(Ok(effects)) => Ok(effects.into_iter().map(effect_from_wit).collect()),
+            Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::Retry { reason: r.reason, delay: r.delay_ms.map(Duration::from_millis) }),
+            Ok(Err(wit::HandlerError::Reject(reason))) => Err(HandlerFailure::Reject(reason)),
+            Err(e) => {
+                let mut reason = if state.timed_out {
+                    format!("deadline of {:?} exceeded", self.limits.deadline)
+                } else if state.limiter.memory_hit {
+                    format!("memory limit of {} MiB exceeded", self.limits.memory >> 20)
+                } else if let Some(exit) = e.downcast_ref::<wasmtime_wasi::I32Exit>() {
+                    format!("guest called exit({})", exit.0)
+                } else if let Some(trap) = e.downcast_ref::<wasmtime::Trap>() {
+                    format!("trap: {trap}")
+                } else {
+                    format!("{e:#}")
+                };
+                if let Some(line) = last_stderr {
+                    reason.push_str(&format!(" (guest stderr: {line})"));
+                }
+                Err(HandlerFailure::Failed(reason))
+            }
+        };
+        HandleOutput { scope: state.scope, result }
+    }
+}

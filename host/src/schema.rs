@@ -1,0 +1,186 @@
+//! The business tables' schema, read from the database itself, and the
+//! validation of every handler write and read against it.
+//!
+//! Identifiers that reach SQL only ever come from here (the database's own
+//! catalog), never from a handler; values are always bound as parameters.
+
+use crate::value::{RowWrite, Value, WriteOp};
+use std::collections::BTreeMap;
+
+/// A column type onceq knows how to bind and read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ColumnType {
+    Bool,
+    Int64,
+    Float64,
+    String,
+    Bytes,
+    Json,
+    Timestamp,
+}
+
+impl ColumnType {
+    /// Does `v` fit a column of this type? (NULL is checked separately.)
+    pub fn accepts(self, v: &Value) -> bool {
+        matches!(
+            (self, v),
+            (ColumnType::Bool, Value::Bool(_))
+                | (ColumnType::Int64, Value::Int64(_))
+                | (ColumnType::Float64, Value::Float64(_))
+                | (ColumnType::String, Value::String(_))
+                | (ColumnType::Bytes, Value::Bytes(_))
+                | (ColumnType::Json, Value::Json(_))
+                | (ColumnType::Timestamp, Value::Timestamp(_))
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ColumnType::Bool => "bool",
+            ColumnType::Int64 => "int64",
+            ColumnType::Float64 => "float64",
+            ColumnType::String => "string",
+            ColumnType::Bytes => "bytes",
+            ColumnType::Json => "json",
+            ColumnType::Timestamp => "timestamp",
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ColumnSchema {
+    pub name: String,
+    pub ty: ColumnType,
+    pub nullable: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TableSchema {
+    pub name: String,
+    /// In table order.
+    pub columns: Vec<ColumnSchema>,
+    /// Indexes into `columns`, in primary-key order.
+    pub primary_key: Vec<usize>,
+}
+
+impl TableSchema {
+    pub fn column(&self, name: &str) -> Option<(usize, &ColumnSchema)> {
+        self.columns.iter().enumerate().find(|(_, c)| c.name == name)
+    }
+
+    pub fn key_columns(&self) -> impl Iterator<Item = &ColumnSchema> {
+        self.primary_key.iter().filter_map(|i| self.columns.get(*i))
+    }
+
+    /// Check a key (or key prefix) for a read: arity and types.
+    pub fn check_key(&self, key: &[Value], prefix: bool) -> Result<(), String> {
+        let n = self.primary_key.len();
+        if key.len() > n || (!prefix && key.len() != n) {
+            return Err(format!(
+                "table {}: primary key has {n} column(s) ({}), got {} value(s)",
+                self.name,
+                self.key_columns().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", "),
+                key.len()
+            ));
+        }
+        for (col, v) in self.key_columns().zip(key) {
+            if !col.ty.accepts(v) {
+                return Err(format!(
+                    "table {}: key column {} is {}, got {}",
+                    self.name,
+                    col.name,
+                    col.ty.name(),
+                    v.type_name()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Check a write against the table: known columns, types, NULLs, keys.
+    /// Returns the write with its columns in table order.
+    pub fn check_write(&self, w: &RowWrite) -> Result<ValidWrite, String> {
+        let t = &self.name;
+        let mut values: Vec<Option<Value>> = vec![None; self.columns.len()];
+        for (name, v) in &w.columns {
+            let Some((i, col)) = self.column(name) else {
+                return Err(format!("table {t} has no column {name}"));
+            };
+            if values[i].is_some() {
+                return Err(format!("table {t}: column {name} given twice"));
+            }
+            if matches!(v, Value::Null) {
+                if !col.nullable {
+                    return Err(format!("table {t}: column {name} is NOT NULL, got null"));
+                }
+            } else if !col.ty.accepts(v) {
+                return Err(format!("table {t}: column {name} is {}, got {}", col.ty.name(), v.type_name()));
+            }
+            if let Value::Json(text) = v {
+                if let Err(e) = serde_json::from_str::<serde_json::Value>(text) {
+                    return Err(format!("table {t}: column {name}: invalid JSON: {e}"));
+                }
+            }
+            values[i] = Some(v.clone());
+        }
+        for &k in &self.primary_key {
+            if values[k].is_none() {
+                let name = self.columns.get(k).map_or("?", |c| c.name.as_str());
+                return Err(format!("table {t}: {:?} needs primary-key column {name}", w.op));
+            }
+        }
+        if w.op == WriteOp::Delete && w.columns.len() != self.primary_key.len() {
+            return Err(format!("table {t}: delete takes only the primary-key columns"));
+        }
+        if w.op == WriteOp::Insert {
+            for (i, c) in self.columns.iter().enumerate() {
+                if values[i].is_none() && !c.nullable {
+                    return Err(format!("table {t}: insert needs NOT NULL column {}", c.name));
+                }
+            }
+        }
+        Ok(ValidWrite {
+            table: self.name.clone(),
+            op: w.op,
+            values,
+        })
+    }
+}
+
+/// A write checked against its table: `values[i]` is column `i`'s new value,
+/// `None` for a column the write leaves alone.
+#[derive(Debug, Clone)]
+pub struct ValidWrite {
+    pub table: String,
+    pub op: WriteOp,
+    pub values: Vec<Option<Value>>,
+}
+
+/// All business tables, by name.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Schema {
+    pub tables: BTreeMap<String, TableSchema>,
+}
+
+impl Schema {
+    pub fn table(&self, name: &str) -> Result<&TableSchema, String> {
+        self.tables.get(name).ok_or_else(|| format!("unknown table {name}"))
+    }
+}
+
+/// Map a declared SQL column type (SQLite or GoogleSQL spelling) to ours.
+pub fn column_type_from_decl(decl: &str) -> Option<ColumnType> {
+    let d = decl.trim().to_ascii_uppercase();
+    let base = d.split('(').next().unwrap_or("").trim();
+    Some(match base {
+        "BOOL" | "BOOLEAN" => ColumnType::Bool,
+        "INT" | "INTEGER" | "INT64" | "BIGINT" | "SMALLINT" => ColumnType::Int64,
+        "REAL" | "FLOAT" | "FLOAT64" | "DOUBLE" | "DOUBLE PRECISION" => ColumnType::Float64,
+        "TEXT" | "STRING" | "VARCHAR" | "CHAR" | "CLOB" => ColumnType::String,
+        "BLOB" | "BYTES" => ColumnType::Bytes,
+        "JSON" => ColumnType::Json,
+        "TIMESTAMP" | "DATETIME" => ColumnType::Timestamp,
+        _ => return None,
+    })
+}

@@ -1,0 +1,191 @@
+//! A store wrapper that makes commits fail the two ways a network makes them
+//! fail, for tests and for `onceq demo --faults`:
+//!
+//! - **landed, then error**: the commit is applied, then the caller gets
+//!   [`StoreError::UnknownOutcome`] (a response lost after the server
+//!   committed);
+//! - **error before landing**: the commit is dropped and the caller gets
+//!   `UnknownOutcome` too (the request never arrived).
+//!
+//! The caller cannot tell the two apart, exactly as in production; the
+//! protocol must resolve both by re-running the message.
+
+use super::*;
+use rand::{RngExt, SeedableRng};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Fault rates, each a probability per commit.
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    /// Commit lands, then the caller sees an unknown outcome.
+    pub after_commit: f64,
+    /// Commit is dropped, and the caller sees an unknown outcome.
+    pub before_commit: f64,
+    /// Stop injecting after this many faults (`None`: never stop).
+    pub limit: Option<u64>,
+    /// RNG seed, so a failing run can be replayed.
+    pub seed: u64,
+}
+
+/// What was injected so far.
+#[derive(Debug, Default)]
+pub struct FaultCounts {
+    pub after_commit: AtomicU64,
+    pub before_commit: AtomicU64,
+}
+
+impl FaultCounts {
+    pub fn total(&self) -> u64 {
+        self.after_commit.load(Ordering::Relaxed) + self.before_commit.load(Ordering::Relaxed)
+    }
+}
+
+struct Injector {
+    plan: FaultPlan,
+    rng: Mutex<rand::rngs::StdRng>,
+    counts: Arc<FaultCounts>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    None,
+    AfterCommit,
+    BeforeCommit,
+}
+
+impl Injector {
+    fn draw(&self) -> Fault {
+        if let Some(limit) = self.plan.limit {
+            if self.counts.total() >= limit {
+                return Fault::None;
+            }
+        }
+        let x: f64 = match self.rng.lock() {
+            Ok(mut r) => r.random(),
+            Err(_) => return Fault::None,
+        };
+        if x < self.plan.after_commit {
+            self.counts.after_commit.fetch_add(1, Ordering::Relaxed);
+            Fault::AfterCommit
+        } else if x < self.plan.after_commit + self.plan.before_commit {
+            self.counts.before_commit.fetch_add(1, Ordering::Relaxed);
+            Fault::BeforeCommit
+        } else {
+            Fault::None
+        }
+    }
+}
+
+/// Wraps a store; see the module docs.
+pub struct FaultyStore {
+    inner: Arc<dyn Store>,
+    injector: Arc<Injector>,
+}
+
+impl FaultyStore {
+    pub fn new(inner: Arc<dyn Store>, plan: FaultPlan) -> (FaultyStore, Arc<FaultCounts>) {
+        let counts = Arc::new(FaultCounts::default());
+        let injector = Arc::new(Injector {
+            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(plan.seed)),
+            plan,
+            counts: counts.clone(),
+        });
+        (FaultyStore { inner, injector }, counts)
+    }
+}
+
+#[async_trait]
+impl Store for FaultyStore {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn schema(&self) -> Arc<Schema> {
+        self.inner.schema()
+    }
+    async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
+        self.inner.message_send(params).await
+    }
+    async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        self.inner.message_lease(params).await
+    }
+    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
+        self.inner.message_lease_renew(lease, duration).await
+    }
+    async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
+        self.inner.message_release(lease).await
+    }
+    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
+        self.inner.message_retry_later(lease, delay, reason).await
+    }
+    async fn message_dead_letter(&self, lease: &Lease, params: DeadLetterParams) -> StoreResult<()> {
+        self.inner.message_dead_letter(lease, params).await
+    }
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
+        Ok(Box::new(FaultyTransaction { inner: self.inner.transaction_begin().await?, injector: self.injector.clone() }))
+    }
+    async fn stats(&self) -> StoreResult<Stats> {
+        self.inner.stats().await
+    }
+    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.inner.dead_letter_list(queue, limit).await
+    }
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
+        self.inner.dead_letter_get(id).await
+    }
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        self.inner.dead_letter_replay(id).await
+    }
+    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
+        self.inner.outbox_list(limit).await
+    }
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
+        self.inner.table_rows(table).await
+    }
+    async fn dedup_purge(&self) -> StoreResult<u64> {
+        self.inner.dedup_purge().await
+    }
+}
+
+struct FaultyTransaction {
+    inner: Box<dyn Transaction>,
+    injector: Arc<Injector>,
+}
+
+#[async_trait]
+impl Transaction for FaultyTransaction {
+    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        self.inner.row_get(table, key).await
+    }
+    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        self.inner.row_scan(table, prefix, limit).await
+    }
+    fn row_write(&mut self, write: ValidWrite) {
+        self.inner.row_write(write)
+    }
+    fn message_enqueue(&mut self, params: SendParams) {
+        self.inner.message_enqueue(params)
+    }
+    fn intent_insert(&mut self, params: IntentParams) {
+        self.inner.intent_insert(params)
+    }
+    fn message_ack(&mut self, lease: &Lease) {
+        self.inner.message_ack(lease)
+    }
+    async fn commit(self: Box<Self>) -> StoreResult<()> {
+        match self.injector.draw() {
+            Fault::None => self.inner.commit().await,
+            Fault::AfterCommit => {
+                self.inner.commit().await?;
+                Err(StoreError::UnknownOutcome("injected: commit landed, response lost".into()))
+            }
+            Fault::BeforeCommit => {
+                self.inner.rollback().await;
+                Err(StoreError::UnknownOutcome("injected: commit request lost".into()))
+            }
+        }
+    }
+    async fn rollback(self: Box<Self>) {
+        self.inner.rollback().await
+    }
+}

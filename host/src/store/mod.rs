@@ -1,0 +1,290 @@
+//! The queue backend: one trait, one implementation per database.
+//!
+//! Shaped like River's driver: operations are named noun-first
+//! (`message_lease`, `message_dead_letter`), take one params struct, use the
+//! database's clock (never the host's), and every state change of a leased
+//! message is guarded by its lease token: if the token no longer matches (the
+//! lease expired and another worker took the message, or the message was
+//! already acknowledged) the change fails with [`StoreError::LeaseLost`].
+//!
+//! A message transaction ([`Transaction`]) serves the handler's reads, buffers
+//! its effects, and on [`Transaction::commit`] applies the effects *and*
+//! deletes the message (the ack, the equivalent of Spanner's
+//! `DELETE ... ASSERT_ROWS_MODIFIED 1`) atomically. If the ack finds no row,
+//! the whole transaction is rolled back and `LeaseLost` returned: a store
+//! never commits effects without their ack.
+//!
+//! Errors are classified once, here ([`StoreError`]), so the protocol can
+//! decide between re-running, resolving an unknown outcome, or giving up.
+
+use crate::schema::{Schema, TableSchema, ValidWrite};
+use crate::value::{Message, Row, Value};
+use async_trait::async_trait;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub mod faulty;
+pub mod sqlite;
+
+/// What went wrong in a store operation, classified for the protocol.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// The transaction was aborted (conflict); re-running it may succeed.
+    #[error("transaction aborted: {0}")]
+    Aborted(String),
+    /// A transient failure before anything was written (busy, unavailable).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The commit may or may not have landed (deadline, cut connection).
+    #[error("commit outcome unknown: {0}")]
+    UnknownOutcome(String),
+    /// The lease token no longer matches: the lease expired and the message
+    /// was leased again, or it was already acknowledged.
+    #[error("lease lost on message {message_id} (expired and re-leased, or already acknowledged)")]
+    LeaseLost { message_id: String },
+    /// The database refused a write the handler asked for (a constraint:
+    /// duplicate key on insert, missing row on update, ...).
+    #[error("write refused by the database: {0}")]
+    WriteRefused(String),
+    /// Anything else: a bug, a corrupt database, a bad configuration.
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl StoreError {
+    /// Safe to re-run the whole transaction (nothing landed).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Aborted(_) | StoreError::Unavailable(_))
+    }
+    /// The commit may have landed.
+    pub fn is_unknown_outcome(&self) -> bool {
+        matches!(self, StoreError::UnknownOutcome(_))
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A lease on one message: the right to ack, nack or dead-letter it while
+/// the token matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub queue: String,
+    pub message_id: String,
+    pub token: String,
+}
+
+/// A message with its lease.
+#[derive(Debug, Clone)]
+pub struct LeasedMessage {
+    pub message: Message,
+    pub lease: Lease,
+    /// Lease deadline, database time (µs since the epoch).
+    pub lease_until: i64,
+}
+
+/// Parameters of a send (a producer's message, or a handler's follow-up).
+#[derive(Debug, Clone, Default)]
+pub struct SendParams {
+    pub queue: String,
+    pub payload: Vec<u8>,
+    pub attributes: Vec<(String, String)>,
+    /// Not visible before now + delay.
+    pub delay: Duration,
+    /// A second send with the same key on the same queue within the dedup
+    /// window is dropped.
+    pub dedup_key: Option<String>,
+}
+
+/// The result of a send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    Sent { id: String },
+    /// The dedup key was seen within the window; nothing was enqueued.
+    Duplicate { existing_id: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct LeaseParams {
+    pub queue: String,
+    pub limit: usize,
+    pub lease: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct DeadLetterParams {
+    pub reason: String,
+    pub handler_version: Option<String>,
+}
+
+/// An intent to write to the outbox, with where it came from.
+#[derive(Debug, Clone)]
+pub struct IntentParams {
+    pub connector: String,
+    pub idempotency_key: String,
+    pub payload: Vec<u8>,
+    pub metadata: Vec<(String, String)>,
+    pub source_queue: String,
+    pub source_message_id: String,
+}
+
+/// A dead-lettered message.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeadLetter {
+    pub id: String,
+    pub queue: String,
+    #[serde(skip)]
+    pub payload: Vec<u8>,
+    pub payload_text: String,
+    pub attributes: Vec<(String, String)>,
+    pub attempts: u32,
+    pub enqueued_at: i64,
+    pub failed_at: i64,
+    pub reason: String,
+    pub handler_version: Option<String>,
+}
+
+/// An outbox intent as stored.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OutboxIntent {
+    pub id: String,
+    pub connector: String,
+    pub idempotency_key: String,
+    pub payload_text: String,
+    pub source_queue: String,
+    pub source_message_id: String,
+    pub created_at: i64,
+}
+
+/// Per-queue counts (database time decides ready/leased/delayed).
+#[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
+pub struct QueueStats {
+    pub queue: String,
+    /// Visible now.
+    pub ready: u64,
+    /// Leased by a worker.
+    pub leased: u64,
+    /// Waiting for a delay or a retry backoff.
+    pub delayed: u64,
+    /// In the dead-letter table.
+    pub dead: u64,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
+pub struct Stats {
+    pub queues: Vec<QueueStats>,
+    /// Intents in the outbox not yet delivered.
+    pub outbox_pending: u64,
+}
+
+/// A queue backend.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// "sqlite", "spanner", ...
+    fn kind(&self) -> &'static str;
+
+    /// The business tables, as read from the database when it was opened.
+    fn schema(&self) -> Arc<Schema>;
+
+    /// Enqueue messages, in one transaction (all or none).
+    async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>>;
+
+    /// Lease up to `limit` visible messages of a queue: give each a new
+    /// token, make it invisible until now + lease, count the attempt.
+    async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>>;
+
+    /// Extend a lease to now + `lease` (guarded by the token).
+    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()>;
+
+    /// Give the message back without counting the attempt (shutdown).
+    async fn message_release(&self, lease: &Lease) -> StoreResult<()>;
+
+    /// Make the message visible again after `delay`, recording `reason`.
+    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()>;
+
+    /// Move the message to the dead-letter table, in one transaction.
+    async fn message_dead_letter(&self, lease: &Lease, params: DeadLetterParams) -> StoreResult<()>;
+
+    /// Start a message transaction.
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>>;
+
+    /// Counts per queue, and the outbox backlog.
+    async fn stats(&self) -> StoreResult<Stats>;
+
+    /// Dead letters, newest first.
+    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>>;
+
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>>;
+
+    /// Move a dead letter back onto its queue (attempts reset), in one
+    /// transaction. Returns the new message id, or `None` if there was no
+    /// such dead letter.
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>>;
+
+    /// Intents not yet delivered, oldest first.
+    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>>;
+
+    /// Every row of a business table, in key order: for checks and tools
+    /// (`onceq demo`'s invariants, tests), never for handlers.
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>>;
+
+    /// Forget producer dedup keys older than the window; returns how many.
+    async fn dedup_purge(&self) -> StoreResult<u64>;
+}
+
+/// One message transaction. Reads are served now; effects are buffered and
+/// applied, together with the ack, by `commit`.
+#[async_trait]
+pub trait Transaction: Send {
+    /// Read one row by primary key.
+    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>>;
+
+    /// Read up to `limit` rows whose key starts with `prefix`, in key order.
+    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>>;
+
+    /// Buffer a validated write.
+    fn row_write(&mut self, write: ValidWrite);
+
+    /// Buffer a follow-up message.
+    fn message_enqueue(&mut self, params: SendParams);
+
+    /// Buffer an outbox intent.
+    fn intent_insert(&mut self, params: IntentParams);
+
+    /// Buffer the ack: delete the message, asserting exactly one row.
+    fn message_ack(&mut self, lease: &Lease);
+
+    /// Apply everything atomically, or nothing.
+    async fn commit(self: Box<Self>) -> StoreResult<()>;
+
+    /// Discard everything.
+    async fn rollback(self: Box<Self>);
+}
+
+/// Open a store from a URL (`sqlite://path` or a plain path).
+pub fn open(url: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
+    if let Some(path) = url.strip_prefix("sqlite://") {
+        Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), options)?))
+    } else if url.contains("://") {
+        anyhow::bail!("unsupported store URL {url:?}: expected sqlite://PATH")
+    } else {
+        Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(url), options)?))
+    }
+}
+
+/// Store settings that are not part of the URL.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// How long producer dedup keys are remembered.
+    pub dedup_window: Duration,
+    /// SQLite `synchronous`: "full" (fsync every commit) or "normal".
+    pub sqlite_synchronous: String,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            dedup_window: Duration::from_secs(24 * 3600),
+            sqlite_synchronous: "full".to_string(),
+        }
+    }
+}

@@ -1,0 +1,883 @@
+//! The embedded store: one SQLite file in WAL mode.
+//!
+//! ## How a message transaction runs here
+//!
+//! SQLite has one writer at a time, and a handler may run for up to its
+//! deadline. Holding the write lock that long would stall every other worker
+//! and process, so a message transaction is *optimistic*:
+//!
+//! 1. The handler's reads run on a pooled reader connection inside one read
+//!    transaction (a consistent WAL snapshot); each read and its result is
+//!    recorded.
+//! 2. On commit, under the write lock (`BEGIN IMMEDIATE`), every recorded
+//!    read is run again; if any result differs the transaction is
+//!    [`StoreError::Aborted`] and the protocol re-runs the handler on fresh
+//!    data. This makes the handler's reads and writes serializable.
+//! 3. Still under the lock: the ack (`DELETE ... WHERE id = ? AND
+//!    lease_token = ?`, and `changes() == 1` or roll back with
+//!    [`StoreError::LeaseLost`] — SQLite's `ASSERT_ROWS_MODIFIED 1`), then
+//!    the writes, intents and follow-ups, then `COMMIT`.
+//!
+//! In-process writers queue on an async mutex (no thread spins on
+//! `SQLITE_BUSY`); other processes on the same file are handled by
+//! `busy_timeout`.
+
+use super::*;
+use crate::schema::{column_type_from_decl, ColumnSchema, ColumnType};
+use crate::value::{random_id, rows_same, WriteOp};
+use rusqlite::types::{Value as SqlValue, ValueRef};
+use rusqlite::{params, Connection, ErrorCode, OptionalExtension, TransactionBehavior};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// SQLite's clock, in microseconds since the epoch. The store never uses
+/// the host's clock for leases or visibility.
+const NOW: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+
+const SYSTEM_DDL: &str = "
+CREATE TABLE IF NOT EXISTS onceq_messages (
+    id TEXT PRIMARY KEY,
+    queue TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    attributes TEXT NOT NULL DEFAULT '[]',
+    attempt INTEGER NOT NULL DEFAULT 0,
+    enqueued_at INTEGER NOT NULL,
+    visible_at INTEGER NOT NULL,
+    lease_token TEXT,
+    last_error TEXT
+);
+CREATE INDEX IF NOT EXISTS onceq_messages_visible ON onceq_messages (queue, visible_at);
+CREATE TABLE IF NOT EXISTS onceq_dead_letters (
+    id TEXT PRIMARY KEY,
+    queue TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    attributes TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    enqueued_at INTEGER NOT NULL,
+    failed_at INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    handler_version TEXT
+);
+CREATE INDEX IF NOT EXISTS onceq_dead_letters_queue ON onceq_dead_letters (queue, failed_at);
+CREATE TABLE IF NOT EXISTS onceq_outbox (
+    id TEXT PRIMARY KEY,
+    connector TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    metadata TEXT NOT NULL,
+    source_queue TEXT NOT NULL,
+    source_message_id TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    visible_at INTEGER NOT NULL,
+    lease_token TEXT,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    delivered_at INTEGER,
+    UNIQUE (connector, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS onceq_outbox_visible ON onceq_outbox (delivered_at, visible_at);
+CREATE TABLE IF NOT EXISTS onceq_dedup (
+    queue TEXT NOT NULL,
+    dedup_key TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (queue, dedup_key)
+);
+CREATE TABLE IF NOT EXISTS onceq_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '1');
+";
+
+/// Cap on rows a handler scan may return.
+pub const MAX_SCAN_ROWS: usize = 1000;
+
+struct Inner {
+    path: PathBuf,
+    writer: tokio::sync::Mutex<Connection>,
+    readers: Mutex<Vec<Connection>>,
+    schema: Arc<Schema>,
+    options: StoreOptions,
+}
+
+/// The SQLite store.
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+fn classify(e: rusqlite::Error) -> StoreError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _) => match f.code {
+            ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked => StoreError::Unavailable(e.to_string()),
+            ErrorCode::ConstraintViolation => StoreError::WriteRefused(e.to_string()),
+            _ => StoreError::Permanent(e.to_string()),
+        },
+        _ => StoreError::Permanent(e.to_string()),
+    }
+}
+
+fn quote(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+fn to_sql(v: &Value) -> SqlValue {
+    match v {
+        Value::Null => SqlValue::Null,
+        Value::Bool(b) => SqlValue::Integer(i64::from(*b)),
+        Value::Int64(i) | Value::Timestamp(i) => SqlValue::Integer(*i),
+        Value::Float64(f) => SqlValue::Real(*f),
+        Value::String(s) | Value::Json(s) => SqlValue::Text(s.clone()),
+        Value::Bytes(b) => SqlValue::Blob(b.clone()),
+    }
+}
+
+fn from_sql(table: &str, col: &ColumnSchema, v: ValueRef<'_>) -> StoreResult<Value> {
+    let bad = || {
+        StoreError::Permanent(format!(
+            "table {table}: column {} is declared {} but holds a {:?} value",
+            col.name,
+            col.ty.name(),
+            v.data_type()
+        ))
+    };
+    Ok(match (col.ty, v) {
+        (_, ValueRef::Null) => Value::Null,
+        (ColumnType::Bool, ValueRef::Integer(i)) => Value::Bool(i != 0),
+        (ColumnType::Int64, ValueRef::Integer(i)) => Value::Int64(i),
+        (ColumnType::Timestamp, ValueRef::Integer(i)) => Value::Timestamp(i),
+        (ColumnType::Float64, ValueRef::Real(f)) => Value::Float64(f),
+        (ColumnType::Float64, ValueRef::Integer(i)) => Value::Float64(i as f64),
+        (ColumnType::String, ValueRef::Text(t)) => Value::String(String::from_utf8_lossy(t).into_owned()),
+        (ColumnType::Json, ValueRef::Text(t)) => Value::Json(String::from_utf8_lossy(t).into_owned()),
+        (ColumnType::Bytes, ValueRef::Blob(b)) => Value::Bytes(b.to_vec()),
+        _ => return Err(bad()),
+    })
+}
+
+fn read_row(table: &TableSchema, r: &rusqlite::Row<'_>) -> StoreResult<Row> {
+    let mut row = Vec::with_capacity(table.columns.len());
+    for (i, col) in table.columns.iter().enumerate() {
+        let v = r.get_ref(i).map_err(classify)?;
+        row.push((col.name.clone(), from_sql(&table.name, col, v)?));
+    }
+    Ok(row)
+}
+
+fn select_sql(table: &TableSchema, key_len: usize, limit: bool) -> String {
+    let cols: Vec<String> = table.columns.iter().map(|c| quote(&c.name)).collect();
+    let mut sql = format!("SELECT {} FROM {}", cols.join(", "), quote(&table.name));
+    let keys: Vec<String> = table.key_columns().map(|c| quote(&c.name)).collect();
+    if key_len > 0 {
+        let conds: Vec<String> = keys.iter().take(key_len).enumerate().map(|(i, k)| format!("{k} = ?{}", i + 1)).collect();
+        sql.push_str(" WHERE ");
+        sql.push_str(&conds.join(" AND "));
+    }
+    if limit {
+        sql.push_str(&format!(" ORDER BY {} LIMIT ?{}", keys.join(", "), key_len + 1));
+    }
+    sql
+}
+
+fn row_get_on(conn: &Connection, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+    let mut stmt = conn.prepare_cached(&select_sql(table, key.len(), false)).map_err(classify)?;
+    let params: Vec<SqlValue> = key.iter().map(to_sql).collect();
+    let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(classify)?;
+    match rows.next().map_err(classify)? {
+        Some(r) => Ok(Some(read_row(table, r)?)),
+        None => Ok(None),
+    }
+}
+
+fn row_scan_on(conn: &Connection, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+    let mut stmt = conn.prepare_cached(&select_sql(table, prefix.len(), true)).map_err(classify)?;
+    let mut params: Vec<SqlValue> = prefix.iter().map(to_sql).collect();
+    params.push(SqlValue::Integer(limit as i64));
+    let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(classify)?;
+    let mut out = Vec::new();
+    while let Some(r) = rows.next().map_err(classify)? {
+        out.push(read_row(table, r)?);
+    }
+    Ok(out)
+}
+
+fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreResult<()> {
+    let t = quote(&table.name);
+    let present: Vec<(usize, &Value)> = w.values.iter().enumerate().filter_map(|(i, v)| v.as_ref().map(|v| (i, v))).collect();
+    let name = |i: usize| table.columns.get(i).map_or_else(String::new, |c| quote(&c.name));
+    let is_key = |i: usize| table.primary_key.contains(&i);
+    let key_cond = |first: usize| -> String {
+        table
+            .primary_key
+            .iter()
+            .enumerate()
+            .map(|(n, &k)| format!("{} = ?{}", name(k), first + n))
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    };
+    let key_vals = || -> Vec<SqlValue> {
+        table.primary_key.iter().map(|&k| w.values.get(k).cloned().flatten().map_or(SqlValue::Null, |v| to_sql(&v))).collect()
+    };
+    let describe_key = || -> String {
+        table
+            .primary_key
+            .iter()
+            .map(|&k| format!("{}={}", table.columns.get(k).map_or("?", |c| c.name.as_str()), w.values.get(k).cloned().flatten().unwrap_or(Value::Null)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match w.op {
+        WriteOp::Insert | WriteOp::Upsert => {
+            let cols: Vec<String> = present.iter().map(|(i, _)| name(*i)).collect();
+            let marks: Vec<String> = (1..=present.len()).map(|n| format!("?{n}")).collect();
+            let mut sql = format!("INSERT INTO {t} ({}) VALUES ({})", cols.join(", "), marks.join(", "));
+            if w.op == WriteOp::Upsert {
+                let keys: Vec<String> = table.primary_key.iter().map(|&k| name(k)).collect();
+                let sets: Vec<String> = present.iter().filter(|(i, _)| !is_key(*i)).map(|(i, _)| format!("{0} = excluded.{0}", name(*i))).collect();
+                if sets.is_empty() {
+                    sql.push_str(&format!(" ON CONFLICT ({}) DO NOTHING", keys.join(", ")));
+                } else {
+                    sql.push_str(&format!(" ON CONFLICT ({}) DO UPDATE SET {}", keys.join(", "), sets.join(", ")));
+                }
+            }
+            let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
+            stmt.execute(rusqlite::params_from_iter(present.iter().map(|(_, v)| to_sql(v)))).map_err(|e| match classify(e) {
+                StoreError::WriteRefused(m) => StoreError::WriteRefused(format!("{:?} into {} ({}): {m}", w.op, table.name, describe_key())),
+                other => other,
+            })?;
+        }
+        WriteOp::Update => {
+            let sets: Vec<(usize, &Value)> = present.iter().filter(|(i, _)| !is_key(*i)).cloned().collect();
+            if sets.is_empty() {
+                return Ok(());
+            }
+            let assigns: Vec<String> = sets.iter().enumerate().map(|(n, (i, _))| format!("{} = ?{}", name(*i), n + 1)).collect();
+            let sql = format!("UPDATE {t} SET {} WHERE {}", assigns.join(", "), key_cond(sets.len() + 1));
+            let mut params: Vec<SqlValue> = sets.iter().map(|(_, v)| to_sql(v)).collect();
+            params.extend(key_vals());
+            let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
+            let n = stmt.execute(rusqlite::params_from_iter(params)).map_err(classify)?;
+            if n != 1 {
+                return Err(StoreError::WriteRefused(format!("update of {} ({}): no such row", table.name, describe_key())));
+            }
+        }
+        WriteOp::Delete => {
+            let sql = format!("DELETE FROM {t} WHERE {}", key_cond(1));
+            let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
+            stmt.execute(rusqlite::params_from_iter(key_vals())).map_err(classify)?;
+        }
+    }
+    Ok(())
+}
+
+fn attrs_to_json(a: &[(String, String)]) -> String {
+    serde_json::to_string(a).unwrap_or_else(|_| "[]".to_string())
+}
+
+fn attrs_from_json(s: &str) -> Vec<(String, String)> {
+    serde_json::from_str(s).unwrap_or_default()
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Insert one message (honouring its dedup key) on an open write
+/// transaction.
+fn send_on(conn: &Connection, p: &SendParams, dedup_window: Duration) -> StoreResult<SendOutcome> {
+    if let Some(key) = &p.dedup_key {
+        let existing: Option<String> = conn
+            .prepare_cached(&format!("SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2 AND expires_at > {NOW}"))
+            .and_then(|mut s| s.query_row(params![p.queue, key], |r| r.get(0)).optional())
+            .map_err(classify)?;
+        if let Some(existing_id) = existing {
+            return Ok(SendOutcome::Duplicate { existing_id });
+        }
+    }
+    let id = random_id();
+    conn.prepare_cached(&format!(
+        "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, ?2, ?3, ?4, 0, {NOW}, {NOW} + ?5)"
+    ))
+    .and_then(|mut s| s.execute(params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(p.delay)]))
+    .map_err(classify)?;
+    if let Some(key) = &p.dedup_key {
+        conn.prepare_cached(&format!(
+            "INSERT OR REPLACE INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (?1, ?2, ?3, {NOW} + ?4)"
+        ))
+        .and_then(|mut s| s.execute(params![p.queue, key, id, micros(dedup_window)]))
+        .map_err(classify)?;
+    }
+    Ok(SendOutcome::Sent { id })
+}
+
+fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
+    let sync = match options.sqlite_synchronous.to_ascii_lowercase().as_str() {
+        "full" => "FULL",
+        "normal" => "NORMAL",
+        "off" => "OFF",
+        other => anyhow::bail!("sqlite synchronous must be full, normal or off, got {other:?}"),
+    };
+    conn.busy_timeout(Duration::from_secs(10))?;
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        anyhow::bail!("could not switch the database to WAL mode (got {mode})");
+    }
+    conn.execute_batch(&format!("PRAGMA synchronous = {sync}; PRAGMA foreign_keys = ON;"))?;
+    conn.set_prepared_statement_cache_capacity(256);
+    Ok(())
+}
+
+/// Read the business tables (every table not named `onceq_*`).
+fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
+    let mut stmt = conn.prepare(
+        "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'onceq\\_%' ESCAPE '\\' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name",
+    )?;
+    let names: Vec<String> = stmt.query_map([], |r| r.get(0))?.collect::<Result<_, _>>()?;
+    let mut schema = Schema::default();
+    for name in names {
+        let mut info = conn.prepare(&format!("PRAGMA table_info({})", quote(&name)))?;
+        let mut columns = Vec::new();
+        let mut pk: Vec<(i64, usize)> = Vec::new();
+        let rows = info.query_map([], |r| {
+            Ok((r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, i64>(3)?, r.get::<_, i64>(5)?))
+        })?;
+        for (i, row) in rows.enumerate() {
+            let (col, decl, notnull, pk_pos) = row?;
+            let ty = column_type_from_decl(&decl).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "table {name}: column {col} has type {decl:?}, which onceq cannot map; use one of BOOL, INTEGER, REAL, TEXT, BLOB, JSON, TIMESTAMP"
+                )
+            })?;
+            if pk_pos > 0 {
+                pk.push((pk_pos, i));
+            }
+            columns.push(ColumnSchema { name: col, ty, nullable: notnull == 0 && pk_pos == 0 });
+        }
+        pk.sort();
+        if pk.is_empty() {
+            anyhow::bail!("table {name} has no PRIMARY KEY: onceq addresses rows by primary key");
+        }
+        schema.tables.insert(
+            name.clone(),
+            TableSchema { name, columns, primary_key: pk.into_iter().map(|(_, i)| i).collect() },
+        );
+    }
+    Ok(schema)
+}
+
+impl SqliteStore {
+    /// Create (or upgrade) a database: onceq's tables plus the user's DDL.
+    pub fn init(path: &Path, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<SqliteStore> {
+        use anyhow::Context;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
+        configure(&conn, options)?;
+        conn.execute_batch(SYSTEM_DDL).context("creating onceq tables")?;
+        conn.execute_batch(business_ddl).context("applying the schema file")?;
+        drop(conn);
+        Self::open(path, options)
+    }
+
+    /// Open an existing database created by `onceq init`.
+    pub fn open(path: &Path, options: &StoreOptions) -> anyhow::Result<SqliteStore> {
+        use anyhow::Context;
+        if !path.exists() {
+            anyhow::bail!("database {} does not exist: run `onceq init` first", path.display());
+        }
+        let conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
+        configure(&conn, options)?;
+        let has_tables: bool = conn
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE name = 'onceq_messages'", [], |r| r.get::<_, i64>(0))
+            .map(|n| n == 1)?;
+        if !has_tables {
+            anyhow::bail!("{} is not an onceq database (no onceq_messages table): run `onceq init` first", path.display());
+        }
+        let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
+        Ok(SqliteStore {
+            inner: Arc::new(Inner {
+                path: path.to_path_buf(),
+                writer: tokio::sync::Mutex::new(conn),
+                readers: Mutex::new(Vec::new()),
+                schema: Arc::new(schema),
+                options: options.clone(),
+            }),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Run `f` in a write transaction (`BEGIN IMMEDIATE`), committing if it
+    /// returns `Ok`, rolling back otherwise.
+    async fn write<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+        self.inner.write(f).await
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+        let conn = self.inner.reader()?;
+        let out = f(&conn);
+        self.inner.reader_return(conn);
+        out
+    }
+}
+
+impl Inner {
+    async fn write<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+        let mut conn = self.writer.lock().await;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
+        let out = f(&tx)?; // dropping `tx` on error rolls back
+        tx.commit().map_err(|e| match classify(e) {
+            // A commit that fails for I/O reasons may or may not be durable.
+            StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
+            other => other,
+        })?;
+        Ok(out)
+    }
+
+    fn reader(&self) -> StoreResult<Connection> {
+        let pooled = self.readers.lock().ok().and_then(|mut p| p.pop());
+        if let Some(c) = pooled {
+            return Ok(c);
+        }
+        let c = Connection::open(&self.path).map_err(classify)?;
+        c.busy_timeout(Duration::from_secs(10)).map_err(classify)?;
+        c.set_prepared_statement_cache_capacity(256);
+        Ok(c)
+    }
+
+    fn reader_return(&self, conn: Connection) {
+        if conn.is_autocommit() {
+            if let Ok(mut p) = self.readers.lock() {
+                p.push(conn);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn schema(&self) -> Arc<Schema> {
+        self.inner.schema.clone()
+    }
+
+    async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
+        let window = self.inner.options.dedup_window;
+        self.write(|c| params.iter().map(|p| send_on(c, p, window)).collect()).await
+    }
+
+    async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        let token = random_id();
+        let mut leased = self
+            .write(|c| {
+                let mut stmt = c
+                    .prepare_cached(&format!(
+                        "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + ?2, attempt = attempt + 1
+                         WHERE id IN (SELECT id FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT ?4)
+                         RETURNING id, payload, attributes, attempt, enqueued_at, visible_at"
+                    ))
+                    .map_err(classify)?;
+                let rows = stmt
+                    .query_map(params![token, micros(p.lease), p.queue, p.limit as i64], |r| {
+                        Ok(LeasedMessage {
+                            message: Message {
+                                id: r.get(0)?,
+                                queue: p.queue.clone(),
+                                payload: r.get(1)?,
+                                attributes: attrs_from_json(&r.get::<_, String>(2)?),
+                                attempt: r.get(3)?,
+                                enqueued_at: r.get(4)?,
+                            },
+                            lease: Lease { queue: p.queue.clone(), message_id: r.get(0)?, token: token.clone() },
+                            lease_until: r.get(5)?,
+                        })
+                    })
+                    .map_err(classify)?;
+                rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+            })
+            .await?;
+        leased.sort_by_key(|m| m.message.enqueued_at);
+        Ok(leased)
+    }
+
+    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
+        self.guarded_update(lease, &format!("visible_at = {NOW} + ?3"), Some(SqlValue::Integer(micros(duration))), None).await
+    }
+
+    async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
+        self.guarded_update(lease, &format!("visible_at = {NOW}, lease_token = NULL, attempt = MAX(attempt - 1, 0)"), None, None).await
+    }
+
+    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
+        self.guarded_update(
+            lease,
+            &format!("visible_at = {NOW} + ?3, lease_token = NULL, last_error = ?4"),
+            Some(SqlValue::Integer(micros(delay))),
+            Some(SqlValue::Text(reason.to_string())),
+        )
+        .await
+    }
+
+    async fn message_dead_letter(&self, lease: &Lease, p: DeadLetterParams) -> StoreResult<()> {
+        self.write(|c| {
+            let n = c
+                .prepare_cached(&format!(
+                    "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version)
+                     SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, ?3, ?4 FROM onceq_messages
+                     WHERE id = ?1 AND lease_token = ?2
+                     ON CONFLICT (id) DO UPDATE SET failed_at = excluded.failed_at, reason = excluded.reason,
+                        attempts = excluded.attempts, handler_version = excluded.handler_version"
+                ))
+                .and_then(|mut s| s.execute(params![lease.message_id, lease.token, p.reason, p.handler_version]))
+                .map_err(classify)?;
+            if n != 1 {
+                return Err(StoreError::LeaseLost { message_id: lease.message_id.clone() });
+            }
+            c.prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
+                .and_then(|mut s| s.execute(params![lease.message_id, lease.token]))
+                .map_err(classify)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
+        Ok(Box::new(SqliteTransaction {
+            inner: self.inner.clone(),
+            reader: None,
+            reads: Vec::new(),
+            writes: Vec::new(),
+            enqueues: Vec::new(),
+            intents: Vec::new(),
+            ack: None,
+        }))
+    }
+
+    async fn stats(&self) -> StoreResult<Stats> {
+        self.read(|c| {
+            let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT queue,
+                            SUM(visible_at <= {NOW}),
+                            SUM(visible_at > {NOW} AND lease_token IS NOT NULL),
+                            SUM(visible_at > {NOW} AND lease_token IS NULL)
+                     FROM onceq_messages GROUP BY queue"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)))
+                .map_err(classify)?;
+            for row in rows {
+                let (q, ready, leased, delayed) = row.map_err(classify)?;
+                let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats { queue: q, ..Default::default() });
+                e.ready = ready as u64;
+                e.leased = leased as u64;
+                e.delayed = delayed as u64;
+            }
+            let mut stmt = c.prepare_cached("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue").map_err(classify)?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))).map_err(classify)?;
+            for row in rows {
+                let (q, dead) = row.map_err(classify)?;
+                by_queue.entry(q.clone()).or_insert_with(|| QueueStats { queue: q, ..Default::default() }).dead = dead as u64;
+            }
+            let outbox_pending: i64 = c
+                .query_row("SELECT COUNT(*) FROM onceq_outbox WHERE delivered_at IS NULL", [], |r| r.get(0))
+                .map_err(classify)?;
+            Ok(Stats { queues: by_queue.into_values().collect(), outbox_pending: outbox_pending as u64 })
+        })
+    }
+
+    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(
+                    "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version
+                     FROM onceq_dead_letters WHERE ?1 IS NULL OR queue = ?1 ORDER BY failed_at DESC, id LIMIT ?2",
+                )
+                .map_err(classify)?;
+            let rows = stmt.query_map(params![queue, limit as i64], dead_letter_from_row).map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
+        self.read(|c| {
+            c.prepare_cached(
+                "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version
+                 FROM onceq_dead_letters WHERE id = ?1",
+            )
+            .and_then(|mut s| s.query_row(params![id], dead_letter_from_row).optional())
+            .map_err(classify)
+        })
+    }
+
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        self.write(|c| {
+            let n = c
+                .prepare_cached(&format!(
+                    "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+                     SELECT id, queue, payload, attributes, 0, enqueued_at, {NOW} FROM onceq_dead_letters WHERE id = ?1"
+                ))
+                .and_then(|mut s| s.execute(params![id]))
+                .map_err(classify)?;
+            if n == 0 {
+                return Ok(None);
+            }
+            c.prepare_cached("DELETE FROM onceq_dead_letters WHERE id = ?1")
+                .and_then(|mut s| s.execute(params![id]))
+                .map_err(classify)?;
+            Ok(Some(id.to_string()))
+        })
+        .await
+    }
+
+    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(
+                    "SELECT id, connector, idempotency_key, payload, source_queue, source_message_id, created_at
+                     FROM onceq_outbox WHERE delivered_at IS NULL ORDER BY created_at, id LIMIT ?1",
+                )
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![limit as i64], |r| {
+                    Ok(OutboxIntent {
+                        id: r.get(0)?,
+                        connector: r.get(1)?,
+                        idempotency_key: r.get(2)?,
+                        payload_text: String::from_utf8_lossy(&r.get::<_, Vec<u8>>(3)?).into_owned(),
+                        source_queue: r.get(4)?,
+                        source_message_id: r.get(5)?,
+                        created_at: r.get(6)?,
+                    })
+                })
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
+        let t = self.inner.schema.table(table).map_err(StoreError::Permanent)?.clone();
+        self.read(|c| row_scan_on(c, &t, &[], i64::MAX as usize))
+    }
+
+    async fn dedup_purge(&self) -> StoreResult<u64> {
+        self.write(|c| {
+            c.execute(&format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}"), [])
+                .map(|n| n as u64)
+                .map_err(classify)
+        })
+        .await
+    }
+}
+
+fn dead_letter_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeadLetter> {
+    let payload: Vec<u8> = r.get(2)?;
+    Ok(DeadLetter {
+        id: r.get(0)?,
+        queue: r.get(1)?,
+        payload_text: String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes: attrs_from_json(&r.get::<_, String>(3)?),
+        attempts: r.get(4)?,
+        enqueued_at: r.get(5)?,
+        failed_at: r.get(6)?,
+        reason: r.get(7)?,
+        handler_version: r.get(8)?,
+    })
+}
+
+impl SqliteStore {
+    /// `UPDATE onceq_messages SET <set> WHERE id = ?1 AND lease_token = ?2`,
+    /// asserting one row.
+    async fn guarded_update(&self, lease: &Lease, set: &str, p3: Option<SqlValue>, p4: Option<SqlValue>) -> StoreResult<()> {
+        let sql = format!("UPDATE onceq_messages SET {set} WHERE id = ?1 AND lease_token = ?2");
+        self.write(|c| {
+            let mut params: Vec<SqlValue> = vec![SqlValue::Text(lease.message_id.clone()), SqlValue::Text(lease.token.clone())];
+            params.extend(p3);
+            params.extend(p4);
+            let n = c
+                .prepare_cached(&sql)
+                .and_then(|mut s| s.execute(rusqlite::params_from_iter(params)))
+                .map_err(classify)?;
+            if n == 1 {
+                Ok(())
+            } else {
+                Err(StoreError::LeaseLost { message_id: lease.message_id.clone() })
+            }
+        })
+        .await
+    }
+}
+
+/// A read the handler made, to be checked again at commit.
+enum ReadRecord {
+    Get { table: TableSchema, key: Vec<Value>, result: Option<Row> },
+    Scan { table: TableSchema, prefix: Vec<Value>, limit: usize, result: Vec<Row> },
+}
+
+struct Buffered {
+    reads: Vec<ReadRecord>,
+    writes: Vec<ValidWrite>,
+    enqueues: Vec<SendParams>,
+    intents: Vec<IntentParams>,
+    ack: Option<Lease>,
+}
+
+struct SqliteTransaction {
+    inner: Arc<Inner>,
+    /// A reader connection holding an open read transaction (the snapshot).
+    reader: Option<Connection>,
+    reads: Vec<ReadRecord>,
+    writes: Vec<ValidWrite>,
+    enqueues: Vec<SendParams>,
+    intents: Vec<IntentParams>,
+    ack: Option<Lease>,
+}
+
+impl SqliteTransaction {
+    fn snapshot(&mut self) -> StoreResult<&Connection> {
+        if self.reader.is_none() {
+            let c = self.inner.reader()?;
+            c.execute_batch("BEGIN DEFERRED").map_err(classify)?;
+            self.reader = Some(c);
+        }
+        self.reader.as_ref().ok_or_else(|| StoreError::Permanent("reader connection missing".into()))
+    }
+
+    fn end_snapshot(&mut self) {
+        if let Some(c) = self.reader.take() {
+            if c.execute_batch("ROLLBACK").is_ok() {
+                self.inner.reader_return(c);
+            }
+        }
+    }
+}
+
+impl Drop for SqliteTransaction {
+    fn drop(&mut self) {
+        self.end_snapshot();
+    }
+}
+
+fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSchema> {
+    schema.table(&w.table).map_err(StoreError::Permanent)
+}
+
+#[async_trait]
+impl Transaction for SqliteTransaction {
+    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        let result = row_get_on(self.snapshot()?, table, key)?;
+        self.reads.push(ReadRecord::Get { table: table.clone(), key: key.to_vec(), result: result.clone() });
+        Ok(result)
+    }
+
+    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        let limit = limit.min(MAX_SCAN_ROWS);
+        let result = row_scan_on(self.snapshot()?, table, prefix, limit)?;
+        self.reads.push(ReadRecord::Scan { table: table.clone(), prefix: prefix.to_vec(), limit, result: result.clone() });
+        Ok(result)
+    }
+
+    fn row_write(&mut self, write: ValidWrite) {
+        self.writes.push(write);
+    }
+
+    fn message_enqueue(&mut self, params: SendParams) {
+        self.enqueues.push(params);
+    }
+
+    fn intent_insert(&mut self, params: IntentParams) {
+        self.intents.push(params);
+    }
+
+    fn message_ack(&mut self, lease: &Lease) {
+        self.ack = Some(lease.clone());
+    }
+
+    async fn commit(mut self: Box<Self>) -> StoreResult<()> {
+        self.end_snapshot();
+        // Move the buffers out: the reader connection (not `Sync`) must not
+        // be held across the await below.
+        let this = Buffered {
+            reads: std::mem::take(&mut self.reads),
+            writes: std::mem::take(&mut self.writes),
+            enqueues: std::mem::take(&mut self.enqueues),
+            intents: std::mem::take(&mut self.intents),
+            ack: self.ack.take(),
+        };
+        let inner = self.inner.clone();
+        drop(self);
+        let schema = inner.schema.clone();
+        let window = inner.options.dedup_window;
+        inner
+            .write(|c| {
+                for read in &this.reads {
+                    let unchanged = match read {
+                        ReadRecord::Get { table, key, result } => {
+                            let now = row_get_on(c, table, key)?;
+                            match (&now, result) {
+                                (None, None) => true,
+                                (Some(a), Some(b)) => rows_same(a, b),
+                                _ => false,
+                            }
+                        }
+                        ReadRecord::Scan { table, prefix, limit, result } => {
+                            let now = row_scan_on(c, table, prefix, *limit)?;
+                            now.len() == result.len() && now.iter().zip(result).all(|(a, b)| rows_same(a, b))
+                        }
+                    };
+                    if !unchanged {
+                        let table = match read {
+                            ReadRecord::Get { table, .. } | ReadRecord::Scan { table, .. } => &table.name,
+                        };
+                        return Err(StoreError::Aborted(format!("a row of {table} read by the handler changed before commit")));
+                    }
+                }
+                if let Some(lease) = &this.ack {
+                    let n = c
+                        .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
+                        .and_then(|mut s| s.execute(params![lease.message_id, lease.token]))
+                        .map_err(classify)?;
+                    if n != 1 {
+                        // ASSERT_ROWS_MODIFIED 1 failed: roll everything back.
+                        return Err(StoreError::LeaseLost { message_id: lease.message_id.clone() });
+                    }
+                }
+                for w in &this.writes {
+                    apply_write(c, table_of(&schema, w)?, w)?;
+                }
+                for i in &this.intents {
+                    c.prepare_cached(&format!(
+                        "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, {NOW}, {NOW})
+                         ON CONFLICT (connector, idempotency_key) DO NOTHING"
+                    ))
+                    .and_then(|mut s| {
+                        s.execute(params![
+                            random_id(),
+                            i.connector,
+                            i.idempotency_key,
+                            i.payload,
+                            attrs_to_json(&i.metadata),
+                            i.source_queue,
+                            i.source_message_id
+                        ])
+                    })
+                    .map_err(classify)?;
+                }
+                for e in &this.enqueues {
+                    send_on(c, e, window)?;
+                }
+                Ok(())
+            })
+            .await
+    }
+
+    async fn rollback(mut self: Box<Self>) {
+        self.end_snapshot();
+    }
+}
