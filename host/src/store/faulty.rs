@@ -66,10 +66,8 @@ impl Injector {
             Err(_) => return Fault::None,
         };
         if x < self.plan.after_commit {
-            self.counts.after_commit.fetch_add(1, Ordering::Relaxed);
             Fault::AfterCommit
         } else if x < self.plan.after_commit + self.plan.before_commit {
-            self.counts.before_commit.fetch_add(1, Ordering::Relaxed);
             Fault::BeforeCommit
         } else {
             Fault::None
@@ -176,10 +174,13 @@ impl Transaction for FaultyTransaction {
         match self.injector.draw() {
             Fault::None => self.inner.commit().await,
             Fault::AfterCommit => {
+                // Only a commit that really landed counts as this fault.
                 self.inner.commit().await?;
+                self.injector.counts.after_commit.fetch_add(1, Ordering::Relaxed);
                 Err(StoreError::UnknownOutcome("injected: commit landed, response lost".into()))
             }
             Fault::BeforeCommit => {
+                self.injector.counts.before_commit.fetch_add(1, Ordering::Relaxed);
                 self.inner.rollback().await;
                 Err(StoreError::UnknownOutcome("injected: commit request lost".into()))
             }

@@ -1,0 +1,157 @@
+//! Shared test helpers: real SQLite files in temp folders, built guest
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! components, runners, and waiting on conditions (never on fixed sleeps).
+#![allow(dead_code)]
+
+use onceq::protocol::{self, EffectLimits, Grants, Handler, Policy, QueueRunner, QueueSpec};
+use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig, WasmHandler};
+use onceq::store::sqlite::SqliteStore;
+use onceq::store::{SendParams, Store, StoreOptions};
+use onceq::value::{Row, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
+pub const INVENTORY_SQL: &str = include_str!("../../guest-examples/inventory/schema.sql");
+pub const CHAOS_SQL: &str = "
+CREATE TABLE chaos_log (id TEXT PRIMARY KEY, note TEXT, n INTEGER, data BLOB);
+CREATE TABLE secrets (id TEXT PRIMARY KEY, note TEXT, n INTEGER, data BLOB);
+";
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
+}
+
+/// A built guest component (`make guests` builds them).
+pub fn guest(name: &str) -> PathBuf {
+    let p = repo_root().join("guest-examples/target/wasm32-wasip2/release").join(format!("{name}.wasm"));
+    assert!(p.exists(), "{} is missing: run `make guests` first", p.display());
+    p
+}
+
+/// A fresh SQLite database file (WAL) with the given business schema.
+pub struct TestDb {
+    pub dir: tempfile::TempDir,
+    pub path: PathBuf,
+    pub store: Arc<dyn Store>,
+}
+
+impl TestDb {
+    pub fn new(ddl: &str) -> TestDb {
+        Self::with_options(ddl, StoreOptions::default())
+    }
+
+    pub fn with_options(ddl: &str, options: StoreOptions) -> TestDb {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("test.db");
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::init(&path, ddl, &options).expect("init store"));
+        TestDb { dir, path, store }
+    }
+
+    /// A plain rusqlite connection to the same file, for assertions.
+    pub fn sql(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open(&self.path).expect("open db")
+    }
+
+    pub fn count(&self, sql: &str) -> i64 {
+        self.sql().query_row(sql, [], |r| r.get(0)).expect(sql)
+    }
+
+    pub async fn send(&self, queue: &str, payloads: impl IntoIterator<Item = String>) {
+        let msgs: Vec<SendParams> =
+            payloads.into_iter().map(|p| SendParams { queue: queue.into(), payload: p.into_bytes(), ..Default::default() }).collect();
+        for chunk in msgs.chunks(500) {
+            self.store.message_send(chunk.to_vec()).await.expect("send");
+        }
+    }
+
+    pub async fn rows(&self, table: &str) -> Vec<Row> {
+        self.store.table_rows(table).await.expect("table rows")
+    }
+}
+
+pub fn runtime() -> Runtime {
+    Runtime::new(RuntimeConfig { max_instances: 64, max_memory: 64 << 20 }).expect("runtime")
+}
+
+pub fn wasm(runtime: &Runtime, name: &str, limits: HandlerLimits) -> WasmHandler {
+    runtime.load_file(&guest(name), limits).expect("load guest")
+}
+
+pub fn grants(tables: &[&str], queues: &[&str], connectors: &[&str]) -> Grants {
+    Grants {
+        tables: tables.iter().map(|s| s.to_string()).collect(),
+        queues: queues.iter().map(|s| s.to_string()).collect(),
+        connectors: connectors.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+/// A fast policy for tests: short backoff, small batches.
+pub fn policy(workers: usize, max_attempts: u32) -> Policy {
+    Policy {
+        lease: Duration::from_secs(10),
+        max_attempts,
+        backoff_initial: Duration::from_millis(5),
+        backoff_max: Duration::from_millis(50),
+        workers,
+        batch: 8,
+        max_reruns: 50,
+        poll_max: Duration::from_millis(20),
+    }
+}
+
+pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, grants: Grants, policy: Policy) -> Arc<QueueRunner> {
+    Arc::new(QueueRunner::new(
+        QueueSpec { name: queue.into(), handler, grants, limits: EffectLimits::default(), policy },
+        store.clone(),
+    ))
+}
+
+/// Run the runners until their queues are drained (60 s at most).
+pub async fn drain(store: &Arc<dyn Store>, runners: &[Arc<QueueRunner>]) {
+    let (tx, _) = tokio::sync::watch::channel(false);
+    let run = protocol::run_queues(store.clone(), runners.to_vec(), Arc::new(tx), true);
+    tokio::time::timeout(Duration::from_secs(60), run).await.expect("queues did not drain within 60s");
+}
+
+/// Poll `cond` until it holds (or fail after `timeout`).
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !cond().await {
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn col<'a>(row: &'a Row, name: &str) -> &'a Value {
+    &row.iter().find(|(k, _)| k == name).unwrap_or_else(|| panic!("no column {name}")).1
+}
+
+/// Seed `n` accounts with `balance` each through the store.
+pub async fn seed_accounts(store: &dyn Store, n: usize, balance: i64) {
+    let schema = store.schema();
+    let table = schema.table("accounts").unwrap();
+    let mut tx = store.transaction_begin().await.unwrap();
+    for i in 0..n {
+        let w = onceq::value::RowWrite {
+            table: "accounts".into(),
+            op: onceq::value::WriteOp::Insert,
+            columns: vec![("id".into(), Value::String(format!("acct-{i}"))), ("balance".into(), Value::Int64(balance))],
+        };
+        tx.row_write(table.check_write(&w).unwrap());
+    }
+    tx.commit().await.unwrap();
+}
+
+pub fn order(id: usize, account: usize, amount: i64) -> String {
+    serde_json::json!({ "order_id": format!("o-{id}"), "account": format!("acct-{account}"), "amount": amount }).to_string()
+}
+
+pub fn chaos(action: &str) -> String {
+    serde_json::json!({ "do": action }).to_string()
+}
