@@ -425,9 +425,13 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {
     }
 }
 
+/// How far ahead `--until-empty` looks for delayed messages: a retry due
+/// within this window is waited for; a message delayed longer is left.
+pub const UNTIL_EMPTY_HORIZON: Duration = Duration::from_secs(10);
+
 /// Run several queues until `shutdown` turns true (the caller sends it, on a
-/// signal say). With `until_empty`, also send it once no queue has a ready,
-/// leased or delayed message left.
+/// signal say). With `until_empty`, also send it once no queue has a ready
+/// or leased message, nor a delayed one due within [`UNTIL_EMPTY_HORIZON`].
 pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, shutdown: Arc<watch::Sender<bool>>, until_empty: bool) {
     let rx = shutdown.subscribe();
     let mut tasks = tokio::task::JoinSet::new();
@@ -442,8 +446,13 @@ pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, s
         tasks.spawn(async move {
             while !*rx.borrow() {
                 if let Ok(stats) = store.stats().await {
-                    let left: u64 = stats.queues.iter().filter(|q| names.contains(&q.queue)).map(|q| q.ready + q.leased + q.delayed).sum();
-                    if left == 0 {
+                    let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
+                    let busy = stats
+                        .queues
+                        .iter()
+                        .filter(|q| names.contains(&q.queue))
+                        .any(|q| q.ready + q.leased > 0 || q.next_due_ms.is_some_and(|ms| ms <= horizon));
+                    if !busy {
                         let _ = shutdown.send(true);
                         return;
                     }

@@ -167,6 +167,9 @@ pub struct QueueStats {
     pub delayed: u64,
     /// In the dead-letter table.
     pub dead: u64,
+    /// When the next delayed message becomes visible, in milliseconds from
+    /// now (`None` when nothing is delayed).
+    pub next_due_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]

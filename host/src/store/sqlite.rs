@@ -563,19 +563,23 @@ impl Store for SqliteStore {
                     "SELECT queue,
                             SUM(visible_at <= {NOW}),
                             SUM(visible_at > {NOW} AND lease_token IS NOT NULL),
-                            SUM(visible_at > {NOW} AND lease_token IS NULL)
+                            SUM(visible_at > {NOW} AND lease_token IS NULL),
+                            MIN(CASE WHEN visible_at > {NOW} AND lease_token IS NULL THEN (visible_at - {NOW}) / 1000 END)
                      FROM onceq_messages GROUP BY queue"
                 ))
                 .map_err(classify)?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)))
+                .query_map([], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, Option<i64>>(4)?))
+                })
                 .map_err(classify)?;
             for row in rows {
-                let (q, ready, leased, delayed) = row.map_err(classify)?;
+                let (q, ready, leased, delayed, next_due) = row.map_err(classify)?;
                 let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats { queue: q, ..Default::default() });
                 e.ready = ready as u64;
                 e.leased = leased as u64;
                 e.delayed = delayed as u64;
+                e.next_due_ms = next_due.map(|ms| ms.max(0) as u64);
             }
             let mut stmt = c.prepare_cached("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue").map_err(classify)?;
             let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))).map_err(classify)?;

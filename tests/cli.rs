@@ -1,0 +1,248 @@
+//! The `onceq` binary, as a user runs it: init, send, run, stats, dlq,
+//! check, try; a host killed with SIGKILL mid-run and restarted; graceful
+//! shutdown on SIGTERM.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const ACCOUNTS: usize = 20;
+const BALANCE: i64 = 1_000_000;
+
+struct Project {
+    dir: tempfile::TempDir,
+}
+
+impl Project {
+    fn new(extra_queue_settings: &str) -> Project {
+        let dir = tempfile::tempdir().unwrap();
+        let mut schema = PAYMENTS_SQL.to_string();
+        for i in 0..ACCOUNTS {
+            schema.push_str(&format!("INSERT INTO accounts (id, balance) VALUES ('acct-{i}', {BALANCE});\n"));
+        }
+        std::fs::write(dir.path().join("schema.sql"), schema).unwrap();
+        std::fs::write(
+            dir.path().join("onceq.toml"),
+            format!(
+                r#"store = "sqlite://db/onceq.db"
+schema = "schema.sql"
+
+[defaults]
+lease = "1s"
+backoff_initial = "10ms"
+backoff_max = "100ms"
+
+[[queue]]
+name = "payments"
+handler = "{}"
+tables = ["accounts", "orders"]
+connectors = ["charge"]
+{extra_queue_settings}
+"#,
+                guest("payments").display()
+            ),
+        )
+        .unwrap();
+        Project { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_onceq"));
+        c.current_dir(self.path()).args(args).env("RUST_LOG", "warn");
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).stdin(Stdio::null()).output().unwrap()
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(out.status.success(), "onceq {args:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn fails(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(!out.status.success(), "onceq {args:?} should have failed");
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    }
+
+    fn db(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open(self.path().join("db/onceq.db")).unwrap()
+    }
+
+    fn count(&self, sql: &str) -> i64 {
+        self.db().query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    fn orders_file(&self, n: usize) -> PathBuf {
+        let p = self.path().join("orders.jsonl");
+        let lines: Vec<String> = (0..n).map(|i| order(i, i % ACCOUNTS, 1 + (i as i64 % 90))).collect();
+        std::fs::write(&p, lines.join("\n")).unwrap();
+        p
+    }
+
+    fn assert_exactly_once(&self, n: usize) {
+        assert_eq!(self.count("SELECT COUNT(*) FROM onceq_messages"), 0, "queue drained");
+        assert_eq!(self.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
+        assert_eq!(self.count("SELECT COUNT(*) FROM orders"), n as i64, "every order exactly once");
+        let charged = self.count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'");
+        assert_eq!(self.count("SELECT SUM(balance) FROM accounts") + charged, ACCOUNTS as i64 * BALANCE, "money conserved");
+        assert_eq!(
+            self.count("SELECT COUNT(*) FROM onceq_outbox"),
+            self.count("SELECT COUNT(*) FROM orders WHERE status = 'charged'"),
+            "one intent per charged order"
+        );
+    }
+}
+
+fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn sigkill_mid_run_then_restart_loses_nothing_and_doubles_nothing() {
+    let p = Project::new("workers = 4\nbatch = 32");
+    p.ok(&["init"]);
+    let n = 6000;
+    let file = p.orders_file(n);
+    let out = p.ok(&["send", "payments", "--jsonl", file.to_str().unwrap()]);
+    assert!(out.contains(&format!("sent {n} message(s)")), "{out}");
+
+    let mut child = p.cmd(&["run"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for("the first orders to be processed", Duration::from_secs(60), || p.count("SELECT COUNT(*) FROM orders") >= 100);
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let done = p.count("SELECT COUNT(*) FROM orders");
+    assert!(done < n as i64, "the kill must land mid-run (processed {done} of {n})");
+    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages") + done, n as i64, "ack and writes are atomic at the kill");
+
+    // Restart: leases held by the dead process expire (1 s) and the new
+    // process finishes the work.
+    let out = p.ok(&["run", "--until-empty"]);
+    assert!(out.contains("payments: processed"), "{out}");
+    p.assert_exactly_once(n);
+}
+
+#[test]
+fn sigterm_finishes_in_flight_work_and_exits_zero() {
+    let p = Project::new("workers = 2\nbatch = 64");
+    p.ok(&["init"]);
+    let n = 6000;
+    let file = p.orders_file(n);
+    p.ok(&["send", "payments", "--jsonl", file.to_str().unwrap()]);
+    let mut child = p.cmd(&["run"]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for("the first orders", Duration::from_secs(60), || p.count("SELECT COUNT(*) FROM orders") >= 100);
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(status.success(), "exit 0 after SIGTERM, got {status}");
+    let stats: serde_json::Value = serde_json::from_str(&p.ok(&["stats", "--json"])).unwrap();
+    let q = &stats["queues"][0];
+    assert_eq!(q["leased"], 0, "nothing left leased: unstarted messages were released ({stats})");
+    let left = q["ready"].as_u64().unwrap();
+    assert!(left > 0, "shutdown happened mid-run");
+    assert_eq!(p.count("SELECT COUNT(*) FROM orders") + left as i64, n as i64);
+    assert_eq!(p.count("SELECT MAX(attempt) FROM onceq_messages"), 0, "released messages do not count an attempt");
+    p.ok(&["run", "--until-empty"]);
+    p.assert_exactly_once(n);
+}
+
+#[test]
+fn commands_work_end_to_end() {
+    let p = Project::new("");
+    // before init
+    let e = p.fails(&["stats"]);
+    assert!(e.contains("does not exist: run `onceq init` first"), "{e}");
+    let out = p.ok(&["init"]);
+    assert!(out.contains("business tables: accounts, orders"), "{out}");
+
+    // send: one with a dedup key twice, a bad payload, a bad JSON-lines file
+    p.ok(&["send", "payments", "--payload", &order(1, 1, 10), "--dedup-key", "k1"]);
+    let out = p.ok(&["send", "payments", "--payload", &order(1, 1, 10), "--dedup-key", "k1"]);
+    assert!(out.contains("sent 0 message(s)") && out.contains("1 dropped as duplicates"), "{out}");
+    let e = p.fails(&["send", "payments", "--payload", "{nope"]);
+    assert!(e.contains("--payload is not valid JSON"), "{e}");
+    let bad = p.path().join("bad.jsonl");
+    std::fs::write(&bad, format!("{}\n{}\n{{oops\n", order(2, 2, 5), order(3, 3, 5))).unwrap();
+    let e = p.fails(&["send", "payments", "--jsonl", bad.to_str().unwrap()]);
+    assert!(e.contains("line 3: not valid JSON"), "{e}");
+    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages"), 1, "nothing from the bad file was sent");
+    p.ok(&["send", "payments", "--payload", r#"{"order_id": "o-x", "account": "acct-nobody", "amount": 5}"#]);
+    p.ok(&["send", "payments", "--payload", &order(9, 2, 7), "--delay", "1h"]);
+
+    let stats: serde_json::Value = serde_json::from_str(&p.ok(&["stats", "--json"])).unwrap();
+    assert_eq!(stats["queues"][0]["ready"], 2);
+    assert_eq!(stats["queues"][0]["delayed"], 1);
+
+    // try: effects printed, nothing committed
+    let msg = p.path().join("msg.json");
+    std::fs::write(&msg, order(42, 3, 25)).unwrap();
+    let out = p.ok(&["try", guest("payments").to_str().unwrap(), "--message", msg.to_str().unwrap(), "--queue", "payments"]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["outcome"], "ok");
+    assert!(out.contains("charge-o-42"), "{out}");
+    assert_eq!(report["reads"], 1);
+    assert_eq!(p.count("SELECT COUNT(*) FROM orders"), 0, "try commits nothing");
+
+    // run until empty: the message delayed by an hour is not waited for
+    let out = p.ok(&["run", "--until-empty"]);
+    assert!(out.contains("payments: processed 1,") && out.contains("dead-lettered 1"), "{out}");
+    assert_eq!(p.count("SELECT COUNT(*) FROM orders"), 1);
+
+    // dlq: the unknown account was rejected
+    let out = p.ok(&["dlq", "list"]);
+    assert!(out.contains("unknown account acct-nobody"), "{out}");
+    let id = out.split_whitespace().next().unwrap().to_string();
+    let shown: serde_json::Value = serde_json::from_str(&p.ok(&["dlq", "show", &id])).unwrap();
+    assert_eq!(shown["attempts"], 1);
+    assert!(shown["payload_text"].as_str().unwrap().contains("acct-nobody"));
+    let out = p.ok(&["dlq", "replay", &id]);
+    assert!(out.contains(&format!("replayed {id}")), "{out}");
+    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
+    let e = p.fails(&["dlq", "show", "no-such-id"]);
+    assert!(e.contains("no dead letter with id no-such-id"), "{e}");
+
+    // check: a good component, a forbidden one
+    let out = p.ok(&["check", guest("payments").to_str().unwrap()]);
+    assert!(out.contains("onceq:handler/handler@0.1.0") && out.contains("ok: fits the onceq:handler world"), "{out}");
+    let out = p.fails(&["check", guest("forbidden").to_str().unwrap()]);
+    assert!(out.contains("✗ wasi:filesystem/") && out.contains("refused"), "{out}");
+}
+
+#[test]
+fn bad_config_is_a_clear_error() {
+    let p = Project::new("");
+    let cfg = p.path().join("onceq.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("lease = \"1s\"", "lease = \"1s\"\nleese = \"2s\"")).unwrap();
+    let e = p.fails(&["init"]);
+    assert!(e.contains("unknown field `leese`"), "{e}");
+    std::fs::write(&cfg, text.replace("lease = \"1s\"", "lease = \"soon\"")).unwrap();
+    let e = p.fails(&["init"]);
+    assert!(e.contains("lease: \"soon\" is not a duration"), "{e}");
+    std::fs::write(&cfg, text.replace("tables = [\"accounts\", \"orders\"]", "tables = [\"accounts\", \"ordrs\"]")).unwrap();
+    p.ok(&["init"]);
+    let e = p.fails(&["run", "--until-empty"]);
+    assert!(e.contains("queue payments is granted table ordrs, which is not in the database"), "{e}");
+}
