@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub mod conformance;
+
 pub const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
 pub const INVENTORY_SQL: &str = include_str!("../../guest-examples/inventory/schema.sql");
 pub const CHAOS_SQL: &str = "
