@@ -1,0 +1,266 @@
+//! `make bench`: one run, side by side, on this machine.
+//!
+//! 1. dispatch: fresh instance + `handle` of the `payments` guest, reads
+//!    served from memory (the per-message cost of the sandbox alone);
+//! 2. the full pipeline on a SQLite file with the Wasm `payments` handler;
+//! 3. the same pipeline with the same logic as a native Rust handler
+//!    (Wasm/native = the sandbox's overhead);
+//! 4. a raw rusqlite loop doing the same lease, read, writes, outbox insert
+//!    and delete per transaction with the same durability (onceq/raw = our
+//!    distance to the physical limit).
+//!
+//! Ratios are what to compare: the machine is small and noisy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use async_trait::async_trait;
+use onceq::protocol::{self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope};
+use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig};
+use onceq::schema::{Schema, TableSchema, ValidWrite};
+use onceq::store::sqlite::SqliteStore;
+use onceq::store::{IntentParams, Lease, SendParams, Store, StoreOptions, StoreResult, Transaction};
+use onceq::value::{Effect, Intent, Message, Row, RowWrite, Value, WriteOp};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
+const ACCOUNTS: usize = 1000;
+
+fn env_usize(k: &str, d: usize) -> usize {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn quantile(v: &mut [u64], q: f64) -> u64 {
+    v.sort_unstable();
+    v[((v.len() as f64 - 1.0) * q) as usize]
+}
+
+/// A transaction that serves one account row from memory.
+struct MemTx;
+
+#[async_trait]
+impl Transaction for MemTx {
+    async fn row_get(&mut self, _t: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        Ok(Some(vec![("id".into(), key[0].clone()), ("balance".into(), Value::Int64(1_000_000)), ("updated_at".into(), Value::Null)]))
+    }
+    async fn row_scan(&mut self, _t: &TableSchema, _p: &[Value], _l: usize) -> StoreResult<Vec<Row>> {
+        Ok(vec![])
+    }
+    fn row_write(&mut self, _w: ValidWrite) {}
+    fn message_enqueue(&mut self, _p: SendParams) {}
+    fn intent_insert(&mut self, _p: IntentParams) {}
+    fn message_ack(&mut self, _l: &Lease) {}
+    async fn commit(self: Box<Self>) -> StoreResult<()> {
+        Ok(())
+    }
+    async fn rollback(self: Box<Self>) {}
+}
+
+fn order_payload(i: usize) -> Vec<u8> {
+    serde_json::json!({ "order_id": format!("o-{i}"), "account": format!("acct-{}", i % ACCOUNTS), "amount": 1 + (i % 50) as i64 }).to_string().into_bytes()
+}
+
+async fn dispatch(handler: &dyn Handler, schema: Arc<Schema>, n: usize) -> (u64, u64) {
+    let tables: Arc<std::collections::BTreeSet<String>> = Arc::new(["accounts".to_string(), "orders".to_string()].into_iter().collect());
+    let mut times = Vec::with_capacity(n);
+    for i in 0..n {
+        let msg = Message { id: format!("{i:032x}"), queue: "payments".into(), payload: order_payload(i), attributes: vec![], attempt: 1, enqueued_at: 1 };
+        let scope = ReadScope::new(Box::new(MemTx), schema.clone(), tables.clone());
+        let t = Instant::now();
+        let out = handler.handle(&msg, scope).await;
+        times.push(t.elapsed().as_nanos() as u64);
+        assert!(out.result.is_ok(), "{:?}", out.result.err());
+    }
+    (quantile(&mut times, 0.5), quantile(&mut times, 0.99))
+}
+
+/// The payments logic as a native handler (same reads, same effects).
+fn native_payments() -> NativeHandler {
+    NativeHandler::new("native", |msg, mut scope: ReadScope| async move {
+        let v: serde_json::Value = match serde_json::from_slice(&msg.payload) {
+            Ok(v) => v,
+            Err(e) => return HandleOutput { scope, result: Err(HandlerFailure::Reject(e.to_string())) },
+        };
+        let (order, account, amount) = (v["order_id"].as_str().unwrap_or("").to_string(), v["account"].as_str().unwrap_or("").to_string(), v["amount"].as_i64().unwrap_or(0));
+        let balance = match scope.get("accounts", &[Value::String(account.clone())]).await {
+            Ok(Some(row)) => match &row[1].1 {
+                Value::Int64(b) => *b,
+                _ => 0,
+            },
+            Ok(None) => return HandleOutput { scope, result: Err(HandlerFailure::Reject("unknown account".into())) },
+            Err(e) => return HandleOutput { scope, result: Err(HandlerFailure::Failed(e)) },
+        };
+        let now = Value::Timestamp(msg.enqueued_at);
+        let effects = vec![
+            Effect::Write(RowWrite {
+                table: "orders".into(),
+                op: WriteOp::Insert,
+                columns: vec![
+                    ("id".into(), Value::String(order.clone())),
+                    ("account_id".into(), Value::String(account.clone())),
+                    ("amount".into(), Value::Int64(amount)),
+                    ("status".into(), Value::String("charged".into())),
+                    ("created_at".into(), now.clone()),
+                ],
+            }),
+            Effect::Write(RowWrite {
+                table: "accounts".into(),
+                op: WriteOp::Update,
+                columns: vec![("id".into(), Value::String(account.clone())), ("balance".into(), Value::Int64(balance - amount)), ("updated_at".into(), now)],
+            }),
+            Effect::Intent(Intent {
+                connector: "charge".into(),
+                idempotency_key: format!("charge-{order}"),
+                payload: serde_json::json!({"order_id": order, "account": account, "amount": amount}).to_string().into_bytes(),
+                metadata: vec![],
+            }),
+        ];
+        HandleOutput { scope, result: Ok(effects) }
+    })
+}
+
+fn fresh_db(dir: &Path, name: &str) -> (Arc<dyn Store>, std::path::PathBuf) {
+    let path = dir.join(name);
+    let mut ddl = PAYMENTS_SQL.to_string();
+    for i in 0..ACCOUNTS {
+        ddl.push_str(&format!("INSERT INTO accounts (id, balance) VALUES ('acct-{i}', 100000000);\n"));
+    }
+    (Arc::new(SqliteStore::init(&path, &ddl, &StoreOptions::default()).unwrap()), path)
+}
+
+struct Run {
+    msgs_per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
+    let (store, _) = fresh_db(dir, name);
+    let msgs: Vec<SendParams> = (0..n).map(|i| SendParams { queue: "payments".into(), payload: order_payload(i), ..Default::default() }).collect();
+    for c in msgs.chunks(1000) {
+        store.message_send(c.to_vec()).await.unwrap();
+    }
+    let grants = Grants { tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(), connectors: ["charge".to_string()].into(), ..Default::default() };
+    let policy = Policy { workers, batch: 16, poll_max: Duration::from_millis(5), ..Default::default() };
+    let runner = Arc::new(QueueRunner::new(QueueSpec { name: "payments".into(), handler, grants, limits: EffectLimits::default(), policy }, store.clone()));
+    let (tx, _) = tokio::sync::watch::channel(false);
+    let t = Instant::now();
+    protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
+    let secs = t.elapsed().as_secs_f64();
+    let m = &runner.metrics;
+    assert_eq!(m.processed.load(std::sync::atomic::Ordering::Relaxed), n as u64, "every message processed");
+    Run { msgs_per_s: n as f64 / secs, p50_us: m.latency_quantile(0.5), p99_us: m.latency_quantile(0.99) }
+}
+
+/// The physical limit: the same statements in a plain rusqlite loop.
+fn raw_sqlite(dir: &Path, n: usize) -> Run {
+    use rusqlite::params;
+    let (store, path) = fresh_db(dir, "raw.db");
+    drop(store);
+    let mut c = rusqlite::Connection::open(&path).unwrap();
+    c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;").unwrap();
+    const NOW: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+    {
+        let tx = c.transaction().unwrap();
+        for i in 0..n {
+            tx.execute(
+                &format!("INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, 'payments', ?2, '[]', 0, {NOW}, {NOW})"),
+                params![format!("{i:032x}"), order_payload(i)],
+            )
+            .unwrap();
+        }
+        tx.commit().unwrap();
+    }
+    let mut lat = Vec::with_capacity(n);
+    let t = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let token = format!("{:032x}", rand::random::<u128>());
+        let batch: Vec<(String, Vec<u8>)> = {
+            let mut s = c
+                .prepare_cached(&format!(
+                    "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + 10000000, attempt = attempt + 1
+                     WHERE id IN (SELECT id FROM onceq_messages WHERE queue = 'payments' AND visible_at <= {NOW} ORDER BY visible_at LIMIT 16)
+                     RETURNING id, payload"
+                ))
+                .unwrap();
+            s.query_map(params![token], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
+        };
+        for (id, payload) in batch {
+            let t1 = Instant::now();
+            let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+            let (order, account, amount) = (v["order_id"].as_str().unwrap(), v["account"].as_str().unwrap(), v["amount"].as_i64().unwrap());
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+            let balance: i64 = tx.prepare_cached("SELECT balance FROM accounts WHERE id = ?1").unwrap().query_row(params![account], |r| r.get(0)).unwrap();
+            tx.prepare_cached("INSERT INTO orders (id, account_id, amount, status, created_at) VALUES (?1, ?2, ?3, 'charged', 1)")
+                .unwrap()
+                .execute(params![order, account, amount])
+                .unwrap();
+            tx.prepare_cached("UPDATE accounts SET balance = ?1, updated_at = 1 WHERE id = ?2").unwrap().execute(params![balance - amount, account]).unwrap();
+            tx.prepare_cached(&format!(
+                "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at)
+                 VALUES (?1, 'charge', ?2, ?3, '[]', 'payments', ?4, {NOW}, {NOW})"
+            ))
+            .unwrap()
+            .execute(params![format!("{:032x}", rand::random::<u128>()), format!("charge-{order}"), payload, id])
+            .unwrap();
+            let gone = tx.prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2").unwrap().execute(params![id, token]).unwrap();
+            assert_eq!(gone, 1);
+            tx.commit().unwrap();
+            lat.push(t1.elapsed().as_micros() as u64);
+            done += 1;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Run { msgs_per_s: n as f64 / secs, p50_us: quantile(&mut lat, 0.5), p99_us: quantile(&mut lat, 0.99) }
+}
+
+fn main() {
+    let n = env_usize("ONCEQ_BENCH_MESSAGES", 10_000);
+    let calls = env_usize("ONCEQ_BENCH_CALLS", 20_000);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let component = root.join("guest-examples/target/wasm32-wasip2/release/payments.wasm");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    rt.block_on(async {
+        let runtime = Runtime::new(RuntimeConfig::default()).unwrap();
+        let t = Instant::now();
+        let wasm: Arc<dyn Handler> = Arc::new(runtime.load_file(&component, HandlerLimits::default()).unwrap());
+        let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let native: Arc<dyn Handler> = Arc::new(native_payments());
+        let (schema_store, _) = fresh_db(dir.path(), "schema.db");
+        let schema = schema_store.schema();
+
+        let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await; // warm up
+        let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
+        let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
+
+        let wasm1 = pipeline(dir.path(), "wasm1.db", wasm.clone(), n, 1).await;
+        let native1 = pipeline(dir.path(), "native1.db", native.clone(), n, 1).await;
+        let wasm4 = pipeline(dir.path(), "wasm4.db", wasm.clone(), n, 4).await;
+        let native4 = pipeline(dir.path(), "native4.db", native.clone(), n, 4).await;
+        let raw = raw_sqlite(dir.path(), n);
+
+        println!("## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores)\n", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+        println!("compile payments.wasm: {compile_ms:.1} ms\n");
+        println!("| dispatch (fresh instance + handle, reads from memory) | median | p99 |");
+        println!("|---|---|---|");
+        println!("| Wasm payments | {:.1} µs | {:.1} µs |", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
+        println!("| native payments | {:.1} µs | {:.1} µs |\n", n50 as f64 / 1000.0, n99 as f64 / 1000.0);
+        println!("| pipeline | messages/s | p50 | p99 |");
+        println!("|---|---|---|---|");
+        let row = |name: &str, r: &Run| println!("| {name} | {:.0} | {:.2} ms | {:.2} ms |", r.msgs_per_s, r.p50_us as f64 / 1000.0, r.p99_us as f64 / 1000.0);
+        row("onceq, Wasm handler, 1 worker", &wasm1);
+        row("onceq, native handler, 1 worker", &native1);
+        row("onceq, Wasm handler, 4 workers", &wasm4);
+        row("onceq, native handler, 4 workers", &native4);
+        row("raw rusqlite loop (same statements)", &raw);
+        println!();
+        println!("| ratio | value | target |");
+        println!("|---|---|---|");
+        println!("| Wasm / native throughput, 1 worker | {:.2} | >= 0.8 |", wasm1.msgs_per_s / native1.msgs_per_s);
+        println!("| Wasm / native throughput, 4 workers | {:.2} | >= 0.8 |", wasm4.msgs_per_s / native4.msgs_per_s);
+        println!("| onceq (Wasm, best) / raw SQLite | {:.2} | >= 0.7 |", wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s);
+        println!("| dispatch median | {:.1} µs | <= 10 µs |", w50 as f64 / 1000.0);
+    });
+}
