@@ -46,6 +46,7 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
     if cfg.queues.is_empty() {
         bail!("no [[queue]] configured: nothing to run");
     }
+    runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
     let mut out = Vec::new();
     for q in &cfg.queues {
         check_grants(q, store.as_ref())?;

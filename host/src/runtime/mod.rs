@@ -193,6 +193,18 @@ impl Runtime {
         self.load(&bytes, limits).map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))
     }
 
+    /// Refuse a configuration whose workers could exhaust the instance pool
+    /// (each worker holds one live instance at a time).
+    pub fn check_capacity(&self, workers: usize) -> anyhow::Result<()> {
+        if workers as u64 > u64::from(self.config.max_instances) {
+            anyhow::bail!(
+                "{workers} workers need up to {workers} live instances, over runtime.max_instances = {}: raise it or use fewer workers",
+                self.config.max_instances
+            );
+        }
+        Ok(())
+    }
+
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
