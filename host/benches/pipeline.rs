@@ -231,6 +231,12 @@ fn main() {
         let (schema_store, _) = fresh_db(dir.path(), "schema.db");
         let schema = schema_store.schema();
 
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("native") {
+            // for profiling the pipeline without the sandbox
+            let r = pipeline(dir.path(), "only.db", native.clone(), n, 1).await;
+            println!("native pipeline: {:.0} messages/s", r.msgs_per_s);
+            return;
+        }
         let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await; // warm up
         let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
         let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
