@@ -66,7 +66,12 @@ connectors = ["charge"]
 
     fn ok(&self, args: &[&str]) -> String {
         let out = self.run(args);
-        assert!(out.status.success(), "onceq {args:?} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "onceq {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -96,7 +101,11 @@ connectors = ["charge"]
         assert_eq!(self.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
         assert_eq!(self.count("SELECT COUNT(*) FROM orders"), n as i64, "every order exactly once");
         let charged = self.count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'");
-        assert_eq!(self.count("SELECT SUM(balance) FROM accounts") + charged, ACCOUNTS as i64 * BALANCE, "money conserved");
+        assert_eq!(
+            self.count("SELECT SUM(balance) FROM accounts") + charged,
+            ACCOUNTS as i64 * BALANCE,
+            "money conserved"
+        );
         assert_eq!(
             self.count("SELECT COUNT(*) FROM onceq_outbox"),
             self.count("SELECT COUNT(*) FROM orders WHERE status = 'charged'"),
@@ -123,12 +132,18 @@ fn sigkill_mid_run_then_restart_loses_nothing_and_doubles_nothing() {
     assert!(out.contains(&format!("sent {n} message(s)")), "{out}");
 
     let mut child = p.cmd(&["run"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    wait_for("the first orders to be processed", Duration::from_secs(60), || p.count("SELECT COUNT(*) FROM orders") >= 100);
+    wait_for("the first orders to be processed", Duration::from_secs(60), || {
+        p.count("SELECT COUNT(*) FROM orders") >= 100
+    });
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let done = p.count("SELECT COUNT(*) FROM orders");
     assert!(done < n as i64, "the kill must land mid-run (processed {done} of {n})");
-    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages") + done, n as i64, "ack and writes are atomic at the kill");
+    assert_eq!(
+        p.count("SELECT COUNT(*) FROM onceq_messages") + done,
+        n as i64,
+        "ack and writes are atomic at the kill"
+    );
 
     // Restart: leases held by the dead process expire (1 s) and the new
     // process finishes the work.
@@ -145,7 +160,9 @@ fn sigterm_finishes_in_flight_work_and_exits_zero() {
     let file = p.orders_file(n);
     p.ok(&["send", "payments", "--jsonl", file.to_str().unwrap()]);
     let mut child = p.cmd(&["run"]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-    wait_for("the first orders", Duration::from_secs(60), || p.count("SELECT COUNT(*) FROM orders") >= 100);
+    wait_for("the first orders", Duration::from_secs(60), || {
+        p.count("SELECT COUNT(*) FROM orders") >= 100
+    });
     let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let start = Instant::now();
@@ -163,7 +180,11 @@ fn sigterm_finishes_in_flight_work_and_exits_zero() {
     let left = q["ready"].as_u64().unwrap();
     assert!(left > 0, "shutdown happened mid-run");
     assert_eq!(p.count("SELECT COUNT(*) FROM orders") + left as i64, n as i64);
-    assert_eq!(p.count("SELECT MAX(attempt) FROM onceq_messages"), 0, "released messages do not count an attempt");
+    assert_eq!(
+        p.count("SELECT MAX(attempt) FROM onceq_messages"),
+        0,
+        "released messages do not count an attempt"
+    );
     p.ok(&["run", "--until-empty"]);
     p.assert_exactly_once(n);
 }
@@ -180,15 +201,27 @@ fn commands_work_end_to_end() {
     // send: one with a dedup key twice, a bad payload, a bad JSON-lines file
     p.ok(&["send", "payments", "--payload", &order(1, 1, 10), "--dedup-key", "k1"]);
     let out = p.ok(&["send", "payments", "--payload", &order(1, 1, 10), "--dedup-key", "k1"]);
-    assert!(out.contains("sent 0 message(s)") && out.contains("1 dropped as duplicates"), "{out}");
+    assert!(
+        out.contains("sent 0 message(s)") && out.contains("1 dropped as duplicates"),
+        "{out}"
+    );
     let e = p.fails(&["send", "payments", "--payload", "{nope"]);
     assert!(e.contains("--payload is not valid JSON"), "{e}");
     let bad = p.path().join("bad.jsonl");
     std::fs::write(&bad, format!("{}\n{}\n{{oops\n", order(2, 2, 5), order(3, 3, 5))).unwrap();
     let e = p.fails(&["send", "payments", "--jsonl", bad.to_str().unwrap()]);
     assert!(e.contains("line 3: not valid JSON"), "{e}");
-    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages"), 1, "nothing from the bad file was sent");
-    p.ok(&["send", "payments", "--payload", r#"{"order_id": "o-x", "account": "acct-nobody", "amount": 5}"#]);
+    assert_eq!(
+        p.count("SELECT COUNT(*) FROM onceq_messages"),
+        1,
+        "nothing from the bad file was sent"
+    );
+    p.ok(&[
+        "send",
+        "payments",
+        "--payload",
+        r#"{"order_id": "o-x", "account": "acct-nobody", "amount": 5}"#,
+    ]);
     p.ok(&["send", "payments", "--payload", &order(9, 2, 7), "--delay", "1h"]);
 
     let stats: serde_json::Value = serde_json::from_str(&p.ok(&["stats", "--json"])).unwrap();
@@ -198,7 +231,14 @@ fn commands_work_end_to_end() {
     // try: effects printed, nothing committed
     let msg = p.path().join("msg.json");
     std::fs::write(&msg, order(42, 3, 25)).unwrap();
-    let out = p.ok(&["try", guest("payments").to_str().unwrap(), "--message", msg.to_str().unwrap(), "--queue", "payments"]);
+    let out = p.ok(&[
+        "try",
+        guest("payments").to_str().unwrap(),
+        "--message",
+        msg.to_str().unwrap(),
+        "--queue",
+        "payments",
+    ]);
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["outcome"], "ok");
     assert!(out.contains("charge-o-42"), "{out}");
@@ -225,7 +265,10 @@ fn commands_work_end_to_end() {
 
     // check: a good component, a forbidden one
     let out = p.ok(&["check", guest("payments").to_str().unwrap()]);
-    assert!(out.contains("onceq:handler/handler@0.1.0") && out.contains("ok: fits the onceq:handler world"), "{out}");
+    assert!(
+        out.contains("onceq:handler/handler@0.1.0") && out.contains("ok: fits the onceq:handler world"),
+        "{out}"
+    );
     let out = p.fails(&["check", guest("forbidden").to_str().unwrap()]);
     assert!(out.contains("✗ wasi:filesystem/") && out.contains("refused"), "{out}");
 }
@@ -241,8 +284,15 @@ fn bad_config_is_a_clear_error() {
     std::fs::write(&cfg, text.replace("lease = \"1s\"", "lease = \"soon\"")).unwrap();
     let e = p.fails(&["init"]);
     assert!(e.contains("lease: \"soon\" is not a duration"), "{e}");
-    std::fs::write(&cfg, text.replace("tables = [\"accounts\", \"orders\"]", "tables = [\"accounts\", \"ordrs\"]")).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("tables = [\"accounts\", \"orders\"]", "tables = [\"accounts\", \"ordrs\"]"),
+    )
+    .unwrap();
     p.ok(&["init"]);
     let e = p.fails(&["run", "--until-empty"]);
-    assert!(e.contains("queue payments is granted table ordrs, which is not in the database"), "{e}");
+    assert!(
+        e.contains("queue payments is granted table ordrs, which is not in the database"),
+        "{e}"
+    );
 }

@@ -22,7 +22,11 @@ const BALANCE: i64 = 1_000_000;
 /// order applied exactly once, money conserved, one intent per order.
 async fn assert_payments_exactly_once(db: &TestDb, n: usize) {
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "queue not drained");
-    assert_eq!(db.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0, "nothing should be dead-lettered");
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM onceq_dead_letters"),
+        0,
+        "nothing should be dead-lettered"
+    );
     assert_eq!(db.count("SELECT COUNT(*) FROM orders"), n as i64, "each order row exactly once");
     let charged = db.count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'");
     let balances = db.count("SELECT SUM(balance) FROM accounts");
@@ -39,15 +43,25 @@ async fn assert_payments_exactly_once(db: &TestDb, n: usize) {
     );
 }
 
-async fn payments_under_faults(plan: FaultPlan, n: usize) -> (TestDb, Arc<onceq::protocol::QueueRunner>, Arc<onceq::store::faulty::FaultCounts>) {
+async fn payments_under_faults(
+    plan: FaultPlan,
+    n: usize,
+) -> (TestDb, Arc<onceq::protocol::QueueRunner>, Arc<onceq::store::faulty::FaultCounts>) {
     let db = TestDb::new(PAYMENTS_SQL);
     seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
-    db.send("payments", (0..n).map(|i| order(i, i % ACCOUNTS, 1 + (i as i64 % 50)))).await;
+    db.send("payments", (0..n).map(|i| order(i, i % ACCOUNTS, 1 + (i as i64 % 50))))
+        .await;
     let (faulty, counts) = FaultyStore::new(db.store.clone(), plan);
     let store: Arc<dyn Store> = Arc::new(faulty);
     let rt = runtime();
     let handler = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
-    let r = runner(&store, "payments", handler, grants(&["accounts", "orders"], &[], &["charge"]), policy(4, 5));
+    let r = runner(
+        &store,
+        "payments",
+        handler,
+        grants(&["accounts", "orders"], &[], &["charge"]),
+        policy(4, 5),
+    );
     drain(&store, std::slice::from_ref(&r)).await;
     (db, r, counts)
 }
@@ -55,19 +69,39 @@ async fn payments_under_faults(plan: FaultPlan, n: usize) -> (TestDb, Arc<onceq:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_lands_then_errors_is_applied_once() {
     let n = 200;
-    let (db, r, counts) = payments_under_faults(FaultPlan { after_commit: 0.3, seed: 1, ..Default::default() }, n).await;
+    let (db, r, counts) = payments_under_faults(
+        FaultPlan {
+            after_commit: 0.3,
+            seed: 1,
+            ..Default::default()
+        },
+        n,
+    )
+    .await;
     let injected = counts.after_commit.load(Relaxed);
     assert!(injected >= 20, "expected many injected faults, got {injected}");
     assert_payments_exactly_once(&db, n).await;
     let m = &r.metrics;
-    assert_eq!(m.already_committed.load(Relaxed), injected, "each landed-then-lost commit resolved as already committed");
+    assert_eq!(
+        m.already_committed.load(Relaxed),
+        injected,
+        "each landed-then-lost commit resolved as already committed"
+    );
     assert_eq!(m.processed.load(Relaxed) + m.already_committed.load(Relaxed), n as u64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_fails_before_landing_is_applied_once() {
     let n = 200;
-    let (db, r, counts) = payments_under_faults(FaultPlan { before_commit: 0.3, seed: 2, ..Default::default() }, n).await;
+    let (db, r, counts) = payments_under_faults(
+        FaultPlan {
+            before_commit: 0.3,
+            seed: 2,
+            ..Default::default()
+        },
+        n,
+    )
+    .await;
     let injected = counts.before_commit.load(Relaxed);
     assert!(injected >= 20, "expected many injected faults, got {injected}");
     assert_payments_exactly_once(&db, n).await;
@@ -80,8 +114,16 @@ async fn commit_fails_before_landing_is_applied_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_faults_and_concurrency_apply_each_order_once() {
     let n = 300;
-    let (db, _r, counts) =
-        payments_under_faults(FaultPlan { after_commit: 0.15, before_commit: 0.15, seed: 3, ..Default::default() }, n).await;
+    let (db, _r, counts) = payments_under_faults(
+        FaultPlan {
+            after_commit: 0.15,
+            before_commit: 0.15,
+            seed: 3,
+            ..Default::default()
+        },
+        n,
+    )
+    .await;
     assert!(counts.total() > 30);
     assert_payments_exactly_once(&db, n).await;
 }
@@ -111,24 +153,49 @@ async fn counter_increments_exactly_once_per_message_under_unknown_outcomes() {
                 _ => 0,
             },
             Ok(None) => 0,
-            Err(e) => return HandleOutput { scope, result: Err(HandlerFailure::Failed(e)) },
+            Err(e) => {
+                return HandleOutput {
+                    scope,
+                    result: Err(HandlerFailure::Failed(e)),
+                }
+            }
         };
         let write = Effect::Write(RowWrite {
             table: "chaos_log".into(),
             op: WriteOp::Upsert,
-            columns: vec![("id".into(), Value::String("counter".into())), ("n".into(), Value::Int64(current + 1))],
+            columns: vec![
+                ("id".into(), Value::String("counter".into())),
+                ("n".into(), Value::Int64(current + 1)),
+            ],
         });
-        HandleOutput { scope, result: Ok(vec![write]) }
+        HandleOutput {
+            scope,
+            result: Ok(vec![write]),
+        }
     }));
-    let (faulty, counts) =
-        FaultyStore::new(db.store.clone(), FaultPlan { after_commit: 0.25, before_commit: 0.1, seed: 4, ..Default::default() });
+    let (faulty, counts) = FaultyStore::new(
+        db.store.clone(),
+        FaultPlan {
+            after_commit: 0.25,
+            before_commit: 0.1,
+            seed: 4,
+            ..Default::default()
+        },
+    );
     let store: Arc<dyn Store> = Arc::new(faulty);
     let r = runner(&store, "count", handler, grants(&["chaos_log"], &[], &[]), policy(3, 5));
     drain(&store, std::slice::from_ref(&r)).await;
     assert!(counts.after_commit.load(Relaxed) > 10, "faults were injected");
-    assert_eq!(db.count("SELECT n FROM chaos_log WHERE id = 'counter'"), n as i64, "one increment per message");
+    assert_eq!(
+        db.count("SELECT n FROM chaos_log WHERE id = 'counter'"),
+        n as i64,
+        "one increment per message"
+    );
     assert_eq!(r.metrics.already_committed.load(Relaxed), counts.after_commit.load(Relaxed));
-    assert!(r.metrics.aborted_reruns.load(Relaxed) > 0, "3 workers on one counter row conflict: reads are validated at commit");
+    assert!(
+        r.metrics.aborted_reruns.load(Relaxed) > 0,
+        "3 workers on one counter row conflict: reads are validated at commit"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,14 +212,28 @@ async fn stale_worker_after_lease_expiry_cannot_commit() {
             if msg.attempt == 1 {
                 started.notify_one();
                 release.notified().await;
-                return HandleOutput { scope, result: Ok(vec![log_write(&msg.id, "stale worker")]) };
+                return HandleOutput {
+                    scope,
+                    result: Ok(vec![log_write(&msg.id, "stale worker")]),
+                };
             }
-            HandleOutput { scope, result: Ok(vec![log_write(&msg.id, "new lease holder")]) }
+            HandleOutput {
+                scope,
+                result: Ok(vec![log_write(&msg.id, "new lease holder")]),
+            }
         }
     }));
     let r = runner(&db.store, "slow", handler, grants(&["chaos_log"], &[], &[]), policy(1, 5));
     let lease = Duration::from_millis(300);
-    let first = db.store.message_lease(LeaseParams { queue: "slow".into(), limit: 1, lease }).await.unwrap();
+    let first = db
+        .store
+        .message_lease(LeaseParams {
+            queue: "slow".into(),
+            limit: 1,
+            lease,
+        })
+        .await
+        .unwrap();
     assert_eq!(first.len(), 1);
     let stale = {
         let r = r.clone();
@@ -164,11 +245,22 @@ async fn stale_worker_after_lease_expiry_cannot_commit() {
     // leases the same message.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let second = loop {
-        let got = db.store.message_lease(LeaseParams { queue: "slow".into(), limit: 1, lease }).await.unwrap();
+        let got = db
+            .store
+            .message_lease(LeaseParams {
+                queue: "slow".into(),
+                limit: 1,
+                lease,
+            })
+            .await
+            .unwrap();
         if !got.is_empty() {
             break got;
         }
-        assert!(std::time::Instant::now() < deadline, "the message was never leased again after its lease expired");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the message was never leased again after its lease expired"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(second[0].message.attempt, 2);
@@ -177,7 +269,11 @@ async fn stale_worker_after_lease_expiry_cannot_commit() {
     assert_eq!(stale.await.unwrap(), Outcome::LeaseLost, "the stale worker's ack must be refused");
     let rows = db.rows("chaos_log").await;
     assert_eq!(rows.len(), 1, "processed once");
-    assert_eq!(col(&rows[0], "note"), &Value::String("new lease holder".into()), "the stale worker's writes are not visible");
+    assert_eq!(
+        col(&rows[0], "note"),
+        &Value::String("new lease holder".into()),
+        "the stale worker's writes are not visible"
+    );
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
 }
 
@@ -187,9 +283,18 @@ async fn handler_retry_then_success() {
     db.send("flaky", [chaos("ok")]).await;
     let handler = Arc::new(NativeHandler::new("flaky-v1", |msg, scope| async move {
         if msg.attempt < 3 {
-            return HandleOutput { scope, result: Err(HandlerFailure::Retry { reason: "downstream busy".into(), delay: Some(Duration::from_millis(5)) }) };
+            return HandleOutput {
+                scope,
+                result: Err(HandlerFailure::Retry {
+                    reason: "downstream busy".into(),
+                    delay: Some(Duration::from_millis(5)),
+                }),
+            };
         }
-        HandleOutput { scope, result: Ok(vec![log_write(&msg.id, &format!("done on attempt {}", msg.attempt))]) }
+        HandleOutput {
+            scope,
+            result: Ok(vec![log_write(&msg.id, &format!("done on attempt {}", msg.attempt))]),
+        }
     }));
     let r = runner(&db.store, "flaky", handler, grants(&["chaos_log"], &[], &[]), policy(1, 5));
     drain(&db.store, std::slice::from_ref(&r)).await;
@@ -203,7 +308,8 @@ async fn handler_retry_then_success() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
     let db = TestDb::new(CHAOS_SQL);
-    db.send("chaos", [chaos("reject"), serde_json::json!({"do": "retry", "n": 1}).to_string()]).await;
+    db.send("chaos", [chaos("reject"), serde_json::json!({"do": "retry", "n": 1}).to_string()])
+        .await;
     let rt = runtime();
     let handler = Arc::new(wasm(&rt, "chaos", HandlerLimits::default()));
     let r = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), policy(2, 3));
@@ -212,11 +318,19 @@ async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
     assert_eq!(dead.len(), 2);
     let reject = dead.iter().find(|d| d.payload_text.contains("reject")).unwrap();
     assert_eq!(reject.attempts, 1, "reject dead-letters on the first attempt");
-    assert!(reject.reason.contains("rejected by handler: chaos: asked to reject"), "{}", reject.reason);
+    assert!(
+        reject.reason.contains("rejected by handler: chaos: asked to reject"),
+        "{}",
+        reject.reason
+    );
     assert!(reject.handler_version.is_some());
     let retry = dead.iter().find(|d| d.payload_text.contains("retry")).unwrap();
     assert_eq!(retry.attempts, 3);
-    assert!(retry.reason.contains("asked to retry") && retry.reason.contains("gave up after 3 attempts"), "{}", retry.reason);
+    assert!(
+        retry.reason.contains("asked to retry") && retry.reason.contains("gave up after 3 attempts"),
+        "{}",
+        retry.reason
+    );
     assert_eq!(db.count("SELECT COUNT(*) FROM chaos_log"), 0, "no writes from failed attempts");
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
 }
@@ -229,11 +343,19 @@ async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
     let handler: Arc<dyn onceq::protocol::Handler> = Arc::new(wasm(&rt, "chaos", HandlerLimits::default()));
     let r = runner(&db.store, "chaos", handler.clone(), grants(&["chaos_log"], &[], &[]), policy(2, 4));
     drain(&db.store, std::slice::from_ref(&r)).await;
-    assert_eq!(r.metrics.processed.load(Relaxed), 1, "the good message is not held up by the poison one");
+    assert_eq!(
+        r.metrics.processed.load(Relaxed),
+        1,
+        "the good message is not held up by the poison one"
+    );
     let dead = db.store.dead_letter_list(None, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].attempts, 4);
-    assert!(dead[0].reason.contains("chaos: asked to trap"), "reason names the guest's panic: {}", dead[0].reason);
+    assert!(
+        dead[0].reason.contains("chaos: asked to trap"),
+        "reason names the guest's panic: {}",
+        dead[0].reason
+    );
     assert!(dead[0].reason.contains("gave up after 4 attempts"), "{}", dead[0].reason);
     // Replay puts it back with its attempts reset; it fails again the same way.
     let id = db.store.dead_letter_replay(&dead[0].id).await.unwrap().expect("replayed");

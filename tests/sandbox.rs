@@ -14,7 +14,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 fn msg(id: &str, payload: &str) -> Message {
-    Message { id: id.into(), queue: "chaos".into(), payload: payload.as_bytes().to_vec(), attributes: vec![], attempt: 1, enqueued_at: 1_700_000_000_000_000 }
+    Message {
+        id: id.into(),
+        queue: "chaos".into(),
+        payload: payload.as_bytes().to_vec(),
+        attributes: vec![],
+        attempt: 1,
+        enqueued_at: 1_700_000_000_000_000,
+    }
 }
 
 /// Call a handler once against the database (no commit).
@@ -34,7 +41,13 @@ async fn dead_letter_reason(db: &TestDb, payload: &str, limits: HandlerLimits, e
     let rt = runtime();
     let h = Arc::new(wasm(&rt, "chaos", limits));
     let r = Arc::new(QueueRunner::new(
-        QueueSpec { name: "chaos".into(), handler: h, grants: grants(tables, &[], &[]), limits: effect_limits, policy: policy(1, 1) },
+        QueueSpec {
+            name: "chaos".into(),
+            handler: h,
+            grants: grants(tables, &[], &[]),
+            limits: effect_limits,
+            policy: policy(1, 1),
+        },
         db.store.clone(),
     ));
     drain(&db.store, std::slice::from_ref(&r)).await;
@@ -48,14 +61,24 @@ async fn dead_letter_reason(db: &TestDb, payload: &str, limits: HandlerLimits, e
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trap_is_a_handler_failure_with_the_guest_panic_message() {
     let db = TestDb::new(CHAOS_SQL);
-    let reason = dead_letter_reason(&db, &chaos("trap"), HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
+    let reason = dead_letter_reason(
+        &db,
+        &chaos("trap"),
+        HandlerLimits::default(),
+        EffectLimits::default(),
+        &["chaos_log"],
+    )
+    .await;
     assert!(reason.contains("trap") && reason.contains("chaos: asked to trap"), "{reason}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn infinite_loop_hits_the_deadline() {
     let db = TestDb::new(CHAOS_SQL);
-    let limits = HandlerLimits { deadline: Duration::from_millis(200), ..Default::default() };
+    let limits = HandlerLimits {
+        deadline: Duration::from_millis(200),
+        ..Default::default()
+    };
     let started = std::time::Instant::now();
     let reason = dead_letter_reason(&db, &chaos("loop"), limits, EffectLimits::default(), &["chaos_log"]).await;
     assert!(reason.contains("deadline of 200ms exceeded"), "{reason}");
@@ -65,7 +88,10 @@ async fn infinite_loop_hits_the_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_bomb_hits_the_memory_limit() {
     let db = TestDb::new(CHAOS_SQL);
-    let limits = HandlerLimits { memory: 16 << 20, ..Default::default() };
+    let limits = HandlerLimits {
+        memory: 16 << 20,
+        ..Default::default()
+    };
     let reason = dead_letter_reason(&db, &chaos("alloc"), limits, EffectLimits::default(), &["chaos_log"]).await;
     assert!(reason.contains("memory limit of 16 MiB exceeded"), "{reason}");
 }
@@ -73,7 +99,14 @@ async fn memory_bomb_hits_the_memory_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_is_a_failure() {
     let db = TestDb::new(CHAOS_SQL);
-    let reason = dead_letter_reason(&db, &chaos("exit"), HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
+    let reason = dead_letter_reason(
+        &db,
+        &chaos("exit"),
+        HandlerLimits::default(),
+        EffectLimits::default(),
+        &["chaos_log"],
+    )
+    .await;
     // wasi:cli/exit carries only ok/err: the guest's exit(3) arrives as 1.
     assert!(reason.contains("guest called exit(1)"), "{reason}");
 }
@@ -100,14 +133,20 @@ async fn ungranted_table_write_and_read_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversize_effect_list_and_effect_bytes_are_refused() {
     let db = TestDb::new(CHAOS_SQL);
-    let limits = EffectLimits { max_effects: 100, max_bytes: 1 << 20 };
+    let limits = EffectLimits {
+        max_effects: 100,
+        max_bytes: 1 << 20,
+    };
     let payload = serde_json::json!({"do": "effects", "n": 101}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), limits, &["chaos_log"]).await;
     assert!(reason.contains("101 effects returned, over the limit of 100"), "{reason}");
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "no follow-up was enqueued");
 
     let db = TestDb::new(CHAOS_SQL);
-    let limits = EffectLimits { max_effects: 100, max_bytes: 64 << 10 };
+    let limits = EffectLimits {
+        max_effects: 100,
+        max_bytes: 64 << 10,
+    };
     let payload = serde_json::json!({"do": "big", "n": 100_000}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), limits, &["chaos_log"]).await;
     assert!(reason.contains("over the limit of 65536 bytes"), "{reason}");
@@ -120,7 +159,14 @@ async fn malformed_payload_and_wrong_types_are_clear_errors() {
     assert!(reason.contains("malformed payload"), "{reason}");
 
     let db = TestDb::new(CHAOS_SQL);
-    let reason = dead_letter_reason(&db, &chaos("badtype"), HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
+    let reason = dead_letter_reason(
+        &db,
+        &chaos("badtype"),
+        HandlerLimits::default(),
+        EffectLimits::default(),
+        &["chaos_log"],
+    )
+    .await;
     assert!(reason.contains("table chaos_log: column n is int64, got string"), "{reason}");
 }
 
@@ -153,9 +199,15 @@ async fn environment_is_empty_and_each_message_gets_a_fresh_instance() {
     for i in 0..3 {
         let (r, _) = call(&db, &h, &msg(&format!("s{i}"), &chaos("static")), &["chaos_log"]).await;
         let effects = r.unwrap();
-        let Effect::Write(w) = &effects[0] else { panic!("expected a write") };
+        let Effect::Write(w) = &effects[0] else {
+            panic!("expected a write")
+        };
         let n = &w.columns.iter().find(|(k, _)| k == "n").unwrap().1;
-        assert_eq!(n, &Value::Int64(1), "a static counter starts at 1 in every call: no state leaks between messages");
+        assert_eq!(
+            n,
+            &Value::Int64(1),
+            "a static counter starts at 1 in every call: no state leaks between messages"
+        );
     }
 }
 
@@ -174,7 +226,11 @@ async fn guest_log_and_reads_work() {
 #[test]
 fn forbidden_imports_are_refused_by_name() {
     let rt = runtime();
-    let err = rt.load_file(&guest("forbidden"), HandlerLimits::default()).err().expect("must be refused").to_string();
+    let err = rt
+        .load_file(&guest("forbidden"), HandlerLimits::default())
+        .err()
+        .expect("must be refused")
+        .to_string();
     assert!(err.contains("imports interfaces a handler may not use"), "{err}");
     assert!(err.contains("wasi:filesystem/"), "names the filesystem import: {err}");
     assert!(err.contains("handlers have no filesystem"), "{err}");
@@ -192,7 +248,10 @@ fn bad_bytes_core_modules_and_wrong_worlds_are_clear_errors() {
     assert!(matches!(e, DeployError::Invalid(_)), "{e}");
     let command = std::fs::read(guest("not-a-handler")).unwrap();
     let e = rt.load(&command, l).err().expect("command refused").to_string();
-    assert!(e.contains("does not export onceq:handler/handler") && e.contains("wasi:cli/run"), "{e}");
+    assert!(
+        e.contains("does not export onceq:handler/handler") && e.contains("wasi:cli/run"),
+        "{e}"
+    );
     // and the good ones load
     rt.load_file(&guest("payments"), l).unwrap();
     rt.load_file(&guest("inventory"), l).unwrap();
@@ -201,11 +260,30 @@ fn bad_bytes_core_modules_and_wrong_worlds_are_clear_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trap_does_not_disturb_other_messages_on_the_same_worker() {
     let db = TestDb::new(CHAOS_SQL);
-    db.send("chaos", [chaos("trap"), chaos("ok"), chaos("loop"), chaos("ok"), chaos("alloc"), chaos("ok")]).await;
+    db.send(
+        "chaos",
+        [chaos("trap"), chaos("ok"), chaos("loop"), chaos("ok"), chaos("alloc"), chaos("ok")],
+    )
+    .await;
     let rt = runtime();
-    let h = Arc::new(wasm(&rt, "chaos", HandlerLimits { deadline: Duration::from_millis(100), memory: 16 << 20 }));
+    let h = Arc::new(wasm(
+        &rt,
+        "chaos",
+        HandlerLimits {
+            deadline: Duration::from_millis(100),
+            memory: 16 << 20,
+        },
+    ));
     let r = runner(&db.store, "chaos", h, grants(&["chaos_log"], &[], &[]), policy(1, 1));
-    let leased = db.store.message_lease(LeaseParams { queue: "chaos".into(), limit: 10, lease: Duration::from_secs(30) }).await.unwrap();
+    let leased = db
+        .store
+        .message_lease(LeaseParams {
+            queue: "chaos".into(),
+            limit: 10,
+            lease: Duration::from_secs(30),
+        })
+        .await
+        .unwrap();
     for lm in &leased {
         r.process(lm).await;
     }

@@ -41,7 +41,13 @@ async fn sqlite_dead_letter_and_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_dedup_window() {
     let window = Duration::from_millis(300);
-    let db = TestDb::with_options(suite::SCHEMA_SQLITE, StoreOptions { dedup_window: window, ..Default::default() });
+    let db = TestDb::with_options(
+        suite::SCHEMA_SQLITE,
+        StoreOptions {
+            dedup_window: window,
+            ..Default::default()
+        },
+    );
     suite::dedup_window(db.store, window).await
 }
 

@@ -13,7 +13,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use async_trait::async_trait;
-use onceq::protocol::{self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope};
+use onceq::protocol::{
+    self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope,
+};
 use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig};
 use onceq::schema::{Schema, TableSchema, ValidWrite};
 use onceq::store::sqlite::SqliteStore;
@@ -41,7 +43,11 @@ struct MemTx;
 #[async_trait]
 impl Transaction for MemTx {
     async fn row_get(&mut self, _t: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
-        Ok(Some(vec![("id".into(), key[0].clone()), ("balance".into(), Value::Int64(1_000_000)), ("updated_at".into(), Value::Null)]))
+        Ok(Some(vec![
+            ("id".into(), key[0].clone()),
+            ("balance".into(), Value::Int64(1_000_000)),
+            ("updated_at".into(), Value::Null),
+        ]))
     }
     async fn row_scan(&mut self, _t: &TableSchema, _p: &[Value], _l: usize) -> StoreResult<Vec<Row>> {
         Ok(vec![])
@@ -57,14 +63,23 @@ impl Transaction for MemTx {
 }
 
 fn order_payload(i: usize) -> Vec<u8> {
-    serde_json::json!({ "order_id": format!("o-{i}"), "account": format!("acct-{}", i % ACCOUNTS), "amount": 1 + (i % 50) as i64 }).to_string().into_bytes()
+    serde_json::json!({ "order_id": format!("o-{i}"), "account": format!("acct-{}", i % ACCOUNTS), "amount": 1 + (i % 50) as i64 })
+        .to_string()
+        .into_bytes()
 }
 
 async fn dispatch(handler: &dyn Handler, schema: Arc<Schema>, n: usize) -> (u64, u64) {
     let tables: Arc<std::collections::BTreeSet<String>> = Arc::new(["accounts".to_string(), "orders".to_string()].into_iter().collect());
     let mut times = Vec::with_capacity(n);
     for i in 0..n {
-        let msg = Message { id: format!("{i:032x}"), queue: "payments".into(), payload: order_payload(i), attributes: vec![], attempt: 1, enqueued_at: 1 };
+        let msg = Message {
+            id: format!("{i:032x}"),
+            queue: "payments".into(),
+            payload: order_payload(i),
+            attributes: vec![],
+            attempt: 1,
+            enqueued_at: 1,
+        };
         let scope = ReadScope::new(Box::new(MemTx), schema.clone(), tables.clone());
         let t = Instant::now();
         let out = handler.handle(&msg, scope).await;
@@ -79,16 +94,35 @@ fn native_payments() -> NativeHandler {
     NativeHandler::new("native", |msg, mut scope: ReadScope| async move {
         let v: serde_json::Value = match serde_json::from_slice(&msg.payload) {
             Ok(v) => v,
-            Err(e) => return HandleOutput { scope, result: Err(HandlerFailure::Reject(e.to_string())) },
+            Err(e) => {
+                return HandleOutput {
+                    scope,
+                    result: Err(HandlerFailure::Reject(e.to_string())),
+                }
+            }
         };
-        let (order, account, amount) = (v["order_id"].as_str().unwrap_or("").to_string(), v["account"].as_str().unwrap_or("").to_string(), v["amount"].as_i64().unwrap_or(0));
+        let (order, account, amount) = (
+            v["order_id"].as_str().unwrap_or("").to_string(),
+            v["account"].as_str().unwrap_or("").to_string(),
+            v["amount"].as_i64().unwrap_or(0),
+        );
         let balance = match scope.get("accounts", &[Value::String(account.clone())]).await {
             Ok(Some(row)) => match &row[1].1 {
                 Value::Int64(b) => *b,
                 _ => 0,
             },
-            Ok(None) => return HandleOutput { scope, result: Err(HandlerFailure::Reject("unknown account".into())) },
-            Err(e) => return HandleOutput { scope, result: Err(HandlerFailure::Failed(e)) },
+            Ok(None) => {
+                return HandleOutput {
+                    scope,
+                    result: Err(HandlerFailure::Reject("unknown account".into())),
+                }
+            }
+            Err(e) => {
+                return HandleOutput {
+                    scope,
+                    result: Err(HandlerFailure::Failed(e)),
+                }
+            }
         };
         let now = Value::Timestamp(msg.enqueued_at);
         let effects = vec![
@@ -106,16 +140,25 @@ fn native_payments() -> NativeHandler {
             Effect::Write(RowWrite {
                 table: "accounts".into(),
                 op: WriteOp::Update,
-                columns: vec![("id".into(), Value::String(account.clone())), ("balance".into(), Value::Int64(balance - amount)), ("updated_at".into(), now)],
+                columns: vec![
+                    ("id".into(), Value::String(account.clone())),
+                    ("balance".into(), Value::Int64(balance - amount)),
+                    ("updated_at".into(), now),
+                ],
             }),
             Effect::Intent(Intent {
                 connector: "charge".into(),
                 idempotency_key: format!("charge-{order}"),
-                payload: serde_json::json!({"order_id": order, "account": account, "amount": amount}).to_string().into_bytes(),
+                payload: serde_json::json!({"order_id": order, "account": account, "amount": amount})
+                    .to_string()
+                    .into_bytes(),
                 metadata: vec![],
             }),
         ];
-        HandleOutput { scope, result: Ok(effects) }
+        HandleOutput {
+            scope,
+            result: Ok(effects),
+        }
     })
 }
 
@@ -136,20 +179,52 @@ struct Run {
 
 async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
     let (store, _) = fresh_db(dir, name);
-    let msgs: Vec<SendParams> = (0..n).map(|i| SendParams { queue: "payments".into(), payload: order_payload(i), ..Default::default() }).collect();
+    let msgs: Vec<SendParams> = (0..n)
+        .map(|i| SendParams {
+            queue: "payments".into(),
+            payload: order_payload(i),
+            ..Default::default()
+        })
+        .collect();
     for c in msgs.chunks(1000) {
         store.message_send(c.to_vec()).await.unwrap();
     }
-    let grants = Grants { tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(), connectors: ["charge".to_string()].into(), ..Default::default() };
-    let policy = Policy { workers, batch: 16, poll_max: Duration::from_millis(5), ..Default::default() };
-    let runner = Arc::new(QueueRunner::new(QueueSpec { name: "payments".into(), handler, grants, limits: EffectLimits::default(), policy }, store.clone()));
+    let grants = Grants {
+        tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(),
+        connectors: ["charge".to_string()].into(),
+        ..Default::default()
+    };
+    let policy = Policy {
+        workers,
+        batch: 16,
+        poll_max: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let runner = Arc::new(QueueRunner::new(
+        QueueSpec {
+            name: "payments".into(),
+            handler,
+            grants,
+            limits: EffectLimits::default(),
+            policy,
+        },
+        store.clone(),
+    ));
     let (tx, _) = tokio::sync::watch::channel(false);
     let t = Instant::now();
     protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
     let secs = t.elapsed().as_secs_f64();
     let m = &runner.metrics;
-    assert_eq!(m.processed.load(std::sync::atomic::Ordering::Relaxed), n as u64, "every message processed");
-    Run { msgs_per_s: n as f64 / secs, p50_us: m.latency_quantile(0.5), p99_us: m.latency_quantile(0.99) }
+    assert_eq!(
+        m.processed.load(std::sync::atomic::Ordering::Relaxed),
+        n as u64,
+        "every message processed"
+    );
+    Run {
+        msgs_per_s: n as f64 / secs,
+        p50_us: m.latency_quantile(0.5),
+        p99_us: m.latency_quantile(0.99),
+    }
 }
 
 /// The physical limit: the same statements in a plain rusqlite loop.
@@ -184,19 +259,33 @@ fn raw_sqlite(dir: &Path, n: usize) -> Run {
                      RETURNING id, payload"
                 ))
                 .unwrap();
-            s.query_map(params![token], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
+            s.query_map(params![token], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
         };
         for (id, payload) in batch {
             let t1 = Instant::now();
             let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
-            let (order, account, amount) = (v["order_id"].as_str().unwrap(), v["account"].as_str().unwrap(), v["amount"].as_i64().unwrap());
+            let (order, account, amount) = (
+                v["order_id"].as_str().unwrap(),
+                v["account"].as_str().unwrap(),
+                v["amount"].as_i64().unwrap(),
+            );
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
-            let balance: i64 = tx.prepare_cached("SELECT balance FROM accounts WHERE id = ?1").unwrap().query_row(params![account], |r| r.get(0)).unwrap();
+            let balance: i64 = tx
+                .prepare_cached("SELECT balance FROM accounts WHERE id = ?1")
+                .unwrap()
+                .query_row(params![account], |r| r.get(0))
+                .unwrap();
             tx.prepare_cached("INSERT INTO orders (id, account_id, amount, status, created_at) VALUES (?1, ?2, ?3, 'charged', 1)")
                 .unwrap()
                 .execute(params![order, account, amount])
                 .unwrap();
-            tx.prepare_cached("UPDATE accounts SET balance = ?1, updated_at = 1 WHERE id = ?2").unwrap().execute(params![balance - amount, account]).unwrap();
+            tx.prepare_cached("UPDATE accounts SET balance = ?1, updated_at = 1 WHERE id = ?2")
+                .unwrap()
+                .execute(params![balance - amount, account])
+                .unwrap();
             tx.prepare_cached(&format!(
                 "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at)
                  VALUES (?1, 'charge', ?2, ?3, '[]', 'payments', ?4, {NOW}, {NOW})"
@@ -204,7 +293,11 @@ fn raw_sqlite(dir: &Path, n: usize) -> Run {
             .unwrap()
             .execute(params![format!("{:032x}", rand::random::<u128>()), format!("charge-{order}"), payload, id])
             .unwrap();
-            let gone = tx.prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2").unwrap().execute(params![id, token]).unwrap();
+            let gone = tx
+                .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
+                .unwrap()
+                .execute(params![id, token])
+                .unwrap();
             assert_eq!(gone, 1);
             tx.commit().unwrap();
             lat.push(t1.elapsed().as_micros() as u64);
@@ -212,7 +305,11 @@ fn raw_sqlite(dir: &Path, n: usize) -> Run {
         }
     }
     let secs = t.elapsed().as_secs_f64();
-    Run { msgs_per_s: n as f64 / secs, p50_us: quantile(&mut lat, 0.5), p99_us: quantile(&mut lat, 0.99) }
+    Run {
+        msgs_per_s: n as f64 / secs,
+        p50_us: quantile(&mut lat, 0.5),
+        p99_us: quantile(&mut lat, 0.99),
+    }
 }
 
 fn main() {
@@ -220,7 +317,11 @@ fn main() {
     let calls = env_usize("ONCEQ_BENCH_CALLS", 20_000);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
     let component = root.join("guest-examples/target/wasm32-wasip2/release/payments.wasm");
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
         let runtime = Runtime::new(RuntimeConfig::default()).unwrap();
@@ -247,15 +348,29 @@ fn main() {
         let native4 = pipeline(dir.path(), "native4.db", native.clone(), n, 4).await;
         let raw = raw_sqlite(dir.path(), n);
 
-        println!("## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores)\n", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+        println!(
+            "## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores)\n",
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        );
         println!("compile payments.wasm: {compile_ms:.1} ms\n");
         println!("| dispatch (fresh instance + handle, reads from memory) | median | p99 |");
         println!("|---|---|---|");
         println!("| Wasm payments | {:.1} µs | {:.1} µs |", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
-        println!("| native payments | {:.1} µs | {:.1} µs |\n", n50 as f64 / 1000.0, n99 as f64 / 1000.0);
+        println!(
+            "| native payments | {:.1} µs | {:.1} µs |\n",
+            n50 as f64 / 1000.0,
+            n99 as f64 / 1000.0
+        );
         println!("| pipeline | messages/s | p50 | p99 |");
         println!("|---|---|---|---|");
-        let row = |name: &str, r: &Run| println!("| {name} | {:.0} | {:.2} ms | {:.2} ms |", r.msgs_per_s, r.p50_us as f64 / 1000.0, r.p99_us as f64 / 1000.0);
+        let row = |name: &str, r: &Run| {
+            println!(
+                "| {name} | {:.0} | {:.2} ms | {:.2} ms |",
+                r.msgs_per_s,
+                r.p50_us as f64 / 1000.0,
+                r.p99_us as f64 / 1000.0
+            )
+        };
         row("onceq, Wasm handler, 1 worker", &wasm1);
         row("onceq, native handler, 1 worker", &native1);
         row("onceq, Wasm handler, 4 workers", &wasm4);
@@ -264,9 +379,18 @@ fn main() {
         println!();
         println!("| ratio | value | target |");
         println!("|---|---|---|");
-        println!("| Wasm / native throughput, 1 worker | {:.2} | >= 0.8 |", wasm1.msgs_per_s / native1.msgs_per_s);
-        println!("| Wasm / native throughput, 4 workers | {:.2} | >= 0.8 |", wasm4.msgs_per_s / native4.msgs_per_s);
-        println!("| onceq (Wasm, best) / raw SQLite | {:.2} | >= 0.7 |", wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s);
+        println!(
+            "| Wasm / native throughput, 1 worker | {:.2} | >= 0.8 |",
+            wasm1.msgs_per_s / native1.msgs_per_s
+        );
+        println!(
+            "| Wasm / native throughput, 4 workers | {:.2} | >= 0.8 |",
+            wasm4.msgs_per_s / native4.msgs_per_s
+        );
+        println!(
+            "| onceq (Wasm, best) / raw SQLite | {:.2} | >= 0.7 |",
+            wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s
+        );
         println!("| dispatch median | {:.1} µs | <= 10 µs |", w50 as f64 / 1000.0);
     });
 }

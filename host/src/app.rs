@@ -50,7 +50,9 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
     let mut out = Vec::new();
     for q in &cfg.queues {
         check_grants(q, store.as_ref())?;
-        let handler = runtime.load_file(&q.handler, q.limits).with_context(|| format!("queue {}", q.name))?;
+        let handler = runtime
+            .load_file(&q.handler, q.limits)
+            .with_context(|| format!("queue {}", q.name))?;
         tracing::info!(queue = %q.name, version = %handler.version(), handler = %q.handler.display(), "handler loaded");
         out.push(Arc::new(QueueRunner::new(
             QueueSpec {
@@ -148,10 +150,16 @@ pub async fn send_many(store: &dyn Store, msgs: Vec<SendParams>, chunk: usize) -
 
 /// `onceq check COMPONENT`.
 pub fn check(path: &Path) -> anyhow::Result<(ComponentInfo, Result<(), String>)> {
-    let runtime = Runtime::new(RuntimeConfig { max_instances: 4, ..Default::default() })?;
+    let runtime = Runtime::new(RuntimeConfig {
+        max_instances: 4,
+        ..Default::default()
+    })?;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let (_, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let verdict = runtime.load(&bytes, HandlerLimits::default()).map(|_| ()).map_err(|e| e.to_string());
+    let verdict = runtime
+        .load(&bytes, HandlerLimits::default())
+        .map(|_| ())
+        .map_err(|e| e.to_string());
     Ok((info, verdict))
 }
 
@@ -177,10 +185,20 @@ pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: V
         Err(_) => {
             // Not a configured queue: grant every table, like a sandbox.
             let tables: BTreeSet<String> = store.schema().tables.keys().cloned().collect();
-            (protocol::Grants { tables, ..Default::default() }, HandlerLimits::default(), Default::default())
+            (
+                protocol::Grants {
+                    tables,
+                    ..Default::default()
+                },
+                HandlerLimits::default(),
+                Default::default(),
+            )
         }
     };
-    let runtime = Runtime::new(RuntimeConfig { max_instances: 4, ..cfg.runtime.clone() })?;
+    let runtime = Runtime::new(RuntimeConfig {
+        max_instances: 4,
+        ..cfg.runtime.clone()
+    })?;
     let handler = runtime.load_file(component, limits)?;
     let message = Message {
         id: id.unwrap_or_else(random_id),

@@ -181,7 +181,12 @@ impl Config {
         let d = &raw.defaults;
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
-            if q.name.is_empty() || !q.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.') {
+            if q.name.is_empty()
+                || !q
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+            {
                 bail!("queue name {:?}: use letters, digits, '-', '_' or '.'", q.name);
             }
             if queues.iter().any(|o| o.name == q.name) {
@@ -222,7 +227,12 @@ impl Config {
                 memory: size("memory", &q.memory, &d.memory, hd.memory)?,
             };
             if limits.memory > runtime.max_memory {
-                bail!("queue {}: memory {} exceeds runtime.max_memory {}", q.name, limits.memory, runtime.max_memory);
+                bail!(
+                    "queue {}: memory {} exceeds runtime.max_memory {}",
+                    q.name,
+                    limits.memory,
+                    runtime.max_memory
+                );
             }
             let ed = EffectLimits::default();
             let effect_limits = EffectLimits {
@@ -242,12 +252,21 @@ impl Config {
                 effect_limits,
             });
         }
-        Ok(Config { store, schema, store_options, runtime, queues })
+        Ok(Config {
+            store,
+            schema,
+            store_options,
+            runtime,
+            queues,
+        })
     }
 
     pub fn queue(&self, name: &str) -> anyhow::Result<&QueueConfig> {
         self.queues.iter().find(|q| q.name == name).with_context(|| {
-            format!("no queue named {name} in the config (queues: {})", self.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", "))
+            format!(
+                "no queue named {name} in the config (queues: {})",
+                self.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
+            )
         })
     }
 
@@ -259,5 +278,80 @@ impl Config {
             ddl.push('\n');
         }
         Ok(ddl)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn sizes_and_durations_parse_or_name_the_key() {
+        assert_eq!(parse_size("k", "64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_size("k", "512 KiB").unwrap(), 512 << 10);
+        assert_eq!(parse_size("k", "100").unwrap(), 100);
+        let e = parse_size("queue q: memory", "64 parsecs").unwrap_err().to_string();
+        assert!(e.contains("queue q: memory") && e.contains("parsecs"), "{e}");
+        assert_eq!(parse_duration("k", "250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("lease", "soon").unwrap_err().to_string().contains("lease: \"soon\""));
+    }
+
+    #[test]
+    fn queues_inherit_defaults_and_paths_resolve_against_the_config() {
+        let cfg = Config::parse(
+            r#"
+            store = "db/x.db"
+            schema = "s.sql"
+            [defaults]
+            lease = "3s"
+            workers = 2
+            [[queue]]
+            name = "a"
+            handler = "a.wasm"
+            tables = ["t"]
+            [[queue]]
+            name = "b"
+            handler = "/abs/b.wasm"
+            workers = 7
+            deadline = "250ms"
+            memory = "16MiB"
+            "#,
+            Path::new("/base"),
+        )
+        .unwrap();
+        assert_eq!(cfg.store, "sqlite:///base/db/x.db");
+        assert_eq!(cfg.schema, vec![PathBuf::from("/base/s.sql")]);
+        let a = cfg.queue("a").unwrap();
+        assert_eq!((a.policy.lease, a.policy.workers), (Duration::from_secs(3), 2));
+        assert_eq!(a.handler, PathBuf::from("/base/a.wasm"));
+        assert!(a.grants.tables.contains("t"));
+        let b = cfg.queue("b").unwrap();
+        assert_eq!(
+            (b.policy.workers, b.limits.deadline, b.limits.memory),
+            (7, Duration::from_millis(250), 16 << 20)
+        );
+        assert!(cfg.queue("c").unwrap_err().to_string().contains("queues: a, b"));
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_a_reason() {
+        let base = Path::new("/");
+        let bad = |text: &str, needle: &str| {
+            let e = format!("{:#}", Config::parse(text, base).unwrap_err());
+            assert!(e.contains(needle), "expected {needle:?} in {e}");
+        };
+        bad("store = 1", "invalid type");
+        bad("store = \"x\"\n[[queue]]\nname = \"a b\"\nhandler = \"h\"", "queue name \"a b\"");
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"",
+            "configured twice",
+        );
+        bad("store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nworkers = 0", "at least 1");
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nmemory = \"1GiB\"",
+            "exceeds runtime.max_memory",
+        );
+        bad("store = \"x\"\n[sqlite]\nsynchronous = \"sometimes\"", "sqlite.synchronous");
     }
 }

@@ -99,14 +99,33 @@ async fn seed(store: &dyn Store) -> anyhow::Result<()> {
     let schema = store.schema();
     let mut tx = store.transaction_begin().await?;
     let write = |schema: &Schema, table: &str, cols: Vec<(&str, Value)>| -> anyhow::Result<_> {
-        let w = crate::value::RowWrite { table: table.into(), op: WriteOp::Insert, columns: cols.into_iter().map(|(k, v)| (k.to_string(), v)).collect() };
-        schema.table(table).map_err(anyhow::Error::msg)?.check_write(&w).map_err(anyhow::Error::msg)
+        let w = crate::value::RowWrite {
+            table: table.into(),
+            op: WriteOp::Insert,
+            columns: cols.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        };
+        schema
+            .table(table)
+            .map_err(anyhow::Error::msg)?
+            .check_write(&w)
+            .map_err(anyhow::Error::msg)
     };
     for i in 0..ACCOUNTS {
-        tx.row_write(write(&schema, "accounts", vec![("id", Value::String(format!("acct-{i}"))), ("balance", Value::Int64(OPENING_BALANCE))])?);
+        tx.row_write(write(
+            &schema,
+            "accounts",
+            vec![
+                ("id", Value::String(format!("acct-{i}"))),
+                ("balance", Value::Int64(OPENING_BALANCE)),
+            ],
+        )?);
     }
     for i in 0..ITEMS {
-        tx.row_write(write(&schema, "items", vec![("sku", Value::String(format!("sku-{i}"))), ("stock", Value::Int64(OPENING_STOCK))])?);
+        tx.row_write(write(
+            &schema,
+            "items",
+            vec![("sku", Value::String(format!("sku-{i}"))), ("stock", Value::Int64(OPENING_STOCK))],
+        )?);
     }
     tx.commit().await?;
     Ok(())
@@ -115,7 +134,11 @@ async fn seed(store: &dyn Store) -> anyhow::Result<()> {
 fn generate(n: usize, seed: u64) -> (Vec<SendParams>, Expected) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut msgs = Vec::with_capacity(n);
-    let mut e = Expected { payments_ok: 0, inventory_ok: 0, bad: 0 };
+    let mut e = Expected {
+        payments_ok: 0,
+        inventory_ok: 0,
+        bad: 0,
+    };
     for i in 0..n {
         let roll: f64 = rng.random();
         let (queue, payload) = if roll < 0.005 {
@@ -123,26 +146,48 @@ fn generate(n: usize, seed: u64) -> (Vec<SendParams>, Expected) {
             ("payments", b"{\"order_id\": \"o-broken\", \"amount\": ".to_vec())
         } else if roll < 0.8 {
             let unknown = rng.random::<f64>() < 0.01;
-            let account = if unknown { format!("acct-missing-{i}") } else { format!("acct-{}", rng.random_range(0..ACCOUNTS)) };
+            let account = if unknown {
+                format!("acct-missing-{i}")
+            } else {
+                format!("acct-{}", rng.random_range(0..ACCOUNTS))
+            };
             if unknown {
                 e.bad += 1;
             } else {
                 e.payments_ok += 1;
             }
             let amount: i64 = rng.random_range(1..=1500);
-            ("payments", serde_json::json!({ "order_id": format!("o-{i}"), "account": account, "amount": amount }).to_string().into_bytes())
+            (
+                "payments",
+                serde_json::json!({ "order_id": format!("o-{i}"), "account": account, "amount": amount })
+                    .to_string()
+                    .into_bytes(),
+            )
         } else {
             let unknown = rng.random::<f64>() < 0.01;
-            let sku = if unknown { format!("sku-missing-{i}") } else { format!("sku-{}", rng.random_range(0..ITEMS)) };
+            let sku = if unknown {
+                format!("sku-missing-{i}")
+            } else {
+                format!("sku-{}", rng.random_range(0..ITEMS))
+            };
             if unknown {
                 e.bad += 1;
             } else {
                 e.inventory_ok += 1;
             }
             let qty: i64 = rng.random_range(1..=5);
-            ("inventory", serde_json::json!({ "order_id": format!("o-{i}"), "sku": sku, "qty": qty }).to_string().into_bytes())
+            (
+                "inventory",
+                serde_json::json!({ "order_id": format!("o-{i}"), "sku": sku, "qty": qty })
+                    .to_string()
+                    .into_bytes(),
+            )
         };
-        msgs.push(SendParams { queue: queue.into(), payload, ..Default::default() });
+        msgs.push(SendParams {
+            queue: queue.into(),
+            payload,
+            ..Default::default()
+        });
     }
     (msgs, e)
 }
@@ -179,7 +224,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     std::fs::write(&cfg_path, config_text(&args, &guests))?;
     let cfg = Config::load(&cfg_path)?;
 
-    println!("onceq demo: {} messages, payments + inventory handlers, SQLite (synchronous={})", args.messages, args.synchronous);
+    println!(
+        "onceq demo: {} messages, payments + inventory handlers, SQLite (synchronous={})",
+        args.messages, args.synchronous
+    );
     let base = app::init(&cfg)?;
     seed(base.as_ref()).await?;
     let (msgs, expected) = generate(args.messages, args.seed);
@@ -191,7 +239,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
 
     let (faulty, fault_counts) = FaultyStore::new(
         base.clone(),
-        FaultPlan { after_commit: args.faults / 2.0, before_commit: args.faults / 2.0, limit: None, seed: args.seed },
+        FaultPlan {
+            after_commit: args.faults / 2.0,
+            before_commit: args.faults / 2.0,
+            limit: None,
+            seed: args.seed,
+        },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
     let runtime = Runtime::new(cfg.runtime.clone())?;
@@ -247,7 +300,10 @@ async fn summarize(
     println!("  already committed          {already}   (unknown outcome, first commit had landed)");
     println!("  retried attempts           {}", sum(runners, |m| m.retried.load(Relaxed)));
     println!("  dead-lettered              {dead}");
-    println!("  unknown outcomes injected  {faults}   (re-runs: {})", sum(runners, |m| m.unknown_outcomes.load(Relaxed)));
+    println!(
+        "  unknown outcomes injected  {faults}   (re-runs: {})",
+        sum(runners, |m| m.unknown_outcomes.load(Relaxed))
+    );
     println!("  aborted + re-run           {}", sum(runners, |m| m.aborted_reruns.load(Relaxed)));
     println!(
         "  throughput                 {:.0} messages/s  ({:.2}s; latency p50 {:.2} ms, p99 {:.2} ms)",
@@ -267,34 +323,71 @@ async fn summarize(
     let charged: Vec<&Row> = orders.iter().filter(|r| text(r, "status") == "charged").collect();
     let charged_sum: i64 = charged.iter().map(|r| int(r, "amount")).sum();
     let stock: i64 = items.iter().map(|r| int(r, "stock")).sum();
-    let reserved: i64 = reservations.iter().filter(|r| text(r, "status") == "reserved").map(|r| int(r, "qty")).sum();
-    let charge_keys: std::collections::BTreeSet<&str> = outbox.iter().filter(|i| i.connector == "charge").map(|i| i.idempotency_key.as_str()).collect();
-    let every_charge_has_intent = charged.iter().all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
+    let reserved: i64 = reservations
+        .iter()
+        .filter(|r| text(r, "status") == "reserved")
+        .map(|r| int(r, "qty"))
+        .sum();
+    let charge_keys: std::collections::BTreeSet<&str> = outbox
+        .iter()
+        .filter(|i| i.connector == "charge")
+        .map(|i| i.idempotency_key.as_str())
+        .collect();
+    let every_charge_has_intent = charged
+        .iter()
+        .all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
     println!("  intents in the outbox      {}", outbox.len());
     let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
     let dead_in_table: u64 = stats.queues.iter().map(|q| q.dead).sum();
 
     let checks = [
         (
-            format!("money conserved: balances {balances} + charged {charged_sum} = {}", ACCOUNTS as i64 * OPENING_BALANCE),
+            format!(
+                "money conserved: balances {balances} + charged {charged_sum} = {}",
+                ACCOUNTS as i64 * OPENING_BALANCE
+            ),
             balances + charged_sum == ACCOUNTS as i64 * OPENING_BALANCE,
         ),
-        (format!("each payment order processed once: {} orders for {} valid messages", orders.len(), expected.payments_ok), orders.len() == expected.payments_ok),
         (
-            format!("one charge intent per charged order: {} intents, {} charged", charge_keys.len(), charged.len()),
+            format!(
+                "each payment order processed once: {} orders for {} valid messages",
+                orders.len(),
+                expected.payments_ok
+            ),
+            orders.len() == expected.payments_ok,
+        ),
+        (
+            format!(
+                "one charge intent per charged order: {} intents, {} charged",
+                charge_keys.len(),
+                charged.len()
+            ),
             charge_keys.len() == charged.len() && every_charge_has_intent,
         ),
         (
-            format!("stock conserved: stock {stock} + reserved {reserved} = {}", ITEMS as i64 * OPENING_STOCK),
+            format!(
+                "stock conserved: stock {stock} + reserved {reserved} = {}",
+                ITEMS as i64 * OPENING_STOCK
+            ),
             stock + reserved == ITEMS as i64 * OPENING_STOCK,
         ),
         (
-            format!("each reservation processed once: {} rows for {} valid messages", reservations.len(), expected.inventory_ok),
+            format!(
+                "each reservation processed once: {} rows for {} valid messages",
+                reservations.len(),
+                expected.inventory_ok
+            ),
             reservations.len() == expected.inventory_ok,
         ),
-        (format!("bad messages dead-lettered: {dead_in_table} of {}", expected.bad), dead_in_table == expected.bad as u64),
         (
-            format!("every message accounted for: {} acked + {dead_in_table} dead = {sent} sent, {left} left", processed + already),
+            format!("bad messages dead-lettered: {dead_in_table} of {}", expected.bad),
+            dead_in_table == expected.bad as u64,
+        ),
+        (
+            format!(
+                "every message accounted for: {} acked + {dead_in_table} dead = {sent} sent, {left} left",
+                processed + already
+            ),
             processed + already + dead_in_table == sent as u64 && left == 0,
         ),
     ];

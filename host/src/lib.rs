@@ -15,7 +15,7 @@
 //!   `Handler`.
 //! - [`schema`]: business tables as read from the database, and write
 //!   validation.
-//! - [`config`]: `onceq.toml`.
+//! - [`config`]: the `onceq.toml` file.
 //! - [`app`]: what the CLI commands do (the `onceq` binary is a thin shell).
 
 pub mod app;

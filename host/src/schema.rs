@@ -184,3 +184,84 @@ pub fn column_type_from_decl(decl: &str) -> Option<ColumnType> {
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn accounts() -> TableSchema {
+        let col = |name: &str, ty, nullable| ColumnSchema {
+            name: name.into(),
+            ty,
+            nullable,
+        };
+        TableSchema {
+            name: "accounts".into(),
+            columns: vec![
+                col("id", ColumnType::String, false),
+                col("balance", ColumnType::Int64, false),
+                col("meta", ColumnType::Json, true),
+            ],
+            primary_key: vec![0],
+        }
+    }
+
+    fn write(op: WriteOp, cols: &[(&str, Value)]) -> RowWrite {
+        RowWrite {
+            table: "accounts".into(),
+            op,
+            columns: cols.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+        }
+    }
+
+    #[test]
+    fn writes_are_checked_against_the_table() {
+        let t = accounts();
+        let id = ("id", Value::String("a".into()));
+        let ok = t
+            .check_write(&write(WriteOp::Insert, &[id.clone(), ("balance", Value::Int64(1))]))
+            .unwrap();
+        assert_eq!(ok.values[2], None);
+        let err = |w: RowWrite| t.check_write(&w).unwrap_err();
+        assert_eq!(
+            err(write(WriteOp::Insert, &[id.clone(), ("nope", Value::Int64(1))])),
+            "table accounts has no column nope"
+        );
+        assert_eq!(
+            err(write(WriteOp::Update, &[id.clone(), ("balance", Value::String("x".into()))])),
+            "table accounts: column balance is int64, got string"
+        );
+        assert_eq!(
+            err(write(WriteOp::Update, &[("balance", Value::Int64(1))])),
+            "table accounts: Update needs primary-key column id"
+        );
+        assert_eq!(
+            err(write(WriteOp::Insert, std::slice::from_ref(&id))),
+            "table accounts: insert needs NOT NULL column balance"
+        );
+        assert_eq!(
+            err(write(WriteOp::Update, &[id.clone(), ("balance", Value::Null)])),
+            "table accounts: column balance is NOT NULL, got null"
+        );
+        assert!(err(write(WriteOp::Upsert, &[id.clone(), ("meta", Value::Json("{oops".into()))])).contains("invalid JSON"));
+        assert_eq!(
+            err(write(WriteOp::Delete, &[id.clone(), ("balance", Value::Int64(1))])),
+            "table accounts: delete takes only the primary-key columns"
+        );
+        assert!(t
+            .check_key(&[Value::Int64(1)], false)
+            .unwrap_err()
+            .contains("key column id is string, got int64"));
+        assert!(t.check_key(&[], true).is_ok());
+    }
+
+    #[test]
+    fn declared_types_map_from_sqlite_and_googlesql_spellings() {
+        assert_eq!(column_type_from_decl("INTEGER"), Some(ColumnType::Int64));
+        assert_eq!(column_type_from_decl("STRING(MAX)"), Some(ColumnType::String));
+        assert_eq!(column_type_from_decl("bool"), Some(ColumnType::Bool));
+        assert_eq!(column_type_from_decl("TIMESTAMP"), Some(ColumnType::Timestamp));
+        assert_eq!(column_type_from_decl("GEOGRAPHY"), None);
+    }
+}

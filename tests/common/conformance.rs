@@ -17,11 +17,22 @@ CREATE TABLE pairs (a TEXT NOT NULL, n INTEGER NOT NULL, v TEXT, PRIMARY KEY (a,
 ";
 
 fn send(queue: &str, payload: &str) -> SendParams {
-    SendParams { queue: queue.into(), payload: payload.as_bytes().to_vec(), ..Default::default() }
+    SendParams {
+        queue: queue.into(),
+        payload: payload.as_bytes().to_vec(),
+        ..Default::default()
+    }
 }
 
 async fn lease(store: &dyn Store, queue: &str, limit: usize, ms: u64) -> Vec<onceq::store::LeasedMessage> {
-    store.message_lease(LeaseParams { queue: queue.into(), limit, lease: Duration::from_millis(ms) }).await.unwrap()
+    store
+        .message_lease(LeaseParams {
+            queue: queue.into(),
+            limit,
+            lease: Duration::from_millis(ms),
+        })
+        .await
+        .unwrap()
 }
 
 async fn ack(store: &dyn Store, l: &onceq::store::Lease) -> Result<(), StoreError> {
@@ -36,16 +47,24 @@ fn table(store: &dyn Store, name: &str) -> TableSchema {
 
 pub async fn lease_and_ack(store: Arc<dyn Store>) {
     let s = store.as_ref();
-    s.message_send(vec![send("q", "1"), send("q", "2"), send("q", "3"), send("other", "x")]).await.unwrap();
+    s.message_send(vec![send("q", "1"), send("q", "2"), send("q", "3"), send("other", "x")])
+        .await
+        .unwrap();
     let got = lease(s, "q", 2, 10_000).await;
     assert_eq!(got.len(), 2);
     assert!(got.iter().all(|m| m.message.attempt == 1 && m.message.queue == "q"));
-    assert!(got[0].message.enqueued_at > 1_600_000_000_000_000, "enqueued_at is database time in µs");
+    assert!(
+        got[0].message.enqueued_at > 1_600_000_000_000_000,
+        "enqueued_at is database time in µs"
+    );
     let stats = s.stats().await.unwrap();
     let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
     assert_eq!((q.ready, q.leased, q.delayed), (1, 2, 0));
     ack(s, &got[0].lease).await.unwrap();
-    assert!(matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })), "a second ack fails");
+    assert!(
+        matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })),
+        "a second ack fails"
+    );
     let rest = lease(s, "q", 10, 10_000).await;
     assert_eq!(rest.len(), 1, "leased messages are invisible");
     assert_eq!(lease(s, "other", 10, 10_000).await.len(), 1, "queues are separate");
@@ -69,10 +88,19 @@ pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {
     assert_ne!(second.lease.token, first.lease.token);
     let stale = &first.lease;
     assert!(matches!(ack(s, stale).await, Err(StoreError::LeaseLost { .. })));
-    assert!(matches!(s.message_retry_later(stale, Duration::ZERO, "x").await, Err(StoreError::LeaseLost { .. })));
-    assert!(matches!(s.message_lease_renew(stale, Duration::from_secs(1)).await, Err(StoreError::LeaseLost { .. })));
+    assert!(matches!(
+        s.message_retry_later(stale, Duration::ZERO, "x").await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        s.message_lease_renew(stale, Duration::from_secs(1)).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
     assert!(matches!(s.message_release(stale).await, Err(StoreError::LeaseLost { .. })));
-    let dl = DeadLetterParams { reason: "x".into(), handler_version: None };
+    let dl = DeadLetterParams {
+        reason: "x".into(),
+        handler_version: None,
+    };
     assert!(matches!(s.message_dead_letter(stale, dl).await, Err(StoreError::LeaseLost { .. })));
     ack(s, &second.lease).await.unwrap();
 }
@@ -89,7 +117,10 @@ pub async fn renew_keeps_the_lease(store: Arc<dyn Store>) {
         async move { !lease(st.as_ref(), "control", 1, 10_000).await.is_empty() }
     })
     .await;
-    assert!(lease(s, "renewed", 1, 10_000).await.is_empty(), "a renewed lease does not expire with the original deadline");
+    assert!(
+        lease(s, "renewed", 1, 10_000).await.is_empty(),
+        "a renewed lease does not expire with the original deadline"
+    );
     ack(s, &renewed.lease).await.unwrap();
 }
 
@@ -117,14 +148,30 @@ pub async fn retry_later_and_release(store: Arc<dyn Store>) {
 
 pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
     let s = store.as_ref();
-    s.message_send(vec![SendParams { attributes: vec![("k".into(), "v".into())], ..send("q", "poison") }]).await.unwrap();
+    s.message_send(vec![SendParams {
+        attributes: vec![("k".into(), "v".into())],
+        ..send("q", "poison")
+    }])
+    .await
+    .unwrap();
     let m = lease(s, "q", 1, 10_000).await.remove(0);
-    s.message_dead_letter(&m.lease, DeadLetterParams { reason: "it is poison".into(), handler_version: Some("v1".into()) }).await.unwrap();
+    s.message_dead_letter(
+        &m.lease,
+        DeadLetterParams {
+            reason: "it is poison".into(),
+            handler_version: Some("v1".into()),
+        },
+    )
+    .await
+    .unwrap();
     assert!(lease(s, "q", 1, 10_000).await.is_empty());
     let dead = s.dead_letter_list(Some("q"), 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     let d = &dead[0];
-    assert_eq!((d.id.as_str(), d.reason.as_str(), d.attempts, d.payload.as_slice()), (m.message.id.as_str(), "it is poison", 1, b"poison".as_slice()));
+    assert_eq!(
+        (d.id.as_str(), d.reason.as_str(), d.attempts, d.payload.as_slice()),
+        (m.message.id.as_str(), "it is poison", 1, b"poison".as_slice())
+    );
     assert_eq!(d.attributes, vec![("k".to_string(), "v".to_string())]);
     assert_eq!(d.handler_version.as_deref(), Some("v1"));
     assert_eq!(s.stats().await.unwrap().queues[0].dead, 1);
@@ -137,11 +184,30 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
 
 pub async fn dedup_window(store: Arc<dyn Store>, window: Duration) {
     let s = store.as_ref();
-    let with_key = |k: &str| SendParams { dedup_key: Some(k.into()), ..send("q", "d") };
+    let with_key = |k: &str| SendParams {
+        dedup_key: Some(k.into()),
+        ..send("q", "d")
+    };
     let first = s.message_send(vec![with_key("k1")]).await.unwrap().remove(0);
-    let SendOutcome::Sent { id } = first else { panic!("first send must be sent") };
-    assert_eq!(s.message_send(vec![with_key("k1")]).await.unwrap()[0], SendOutcome::Duplicate { existing_id: id.clone() });
-    assert!(matches!(s.message_send(vec![SendParams { queue: "other".into(), ..with_key("k1") }]).await.unwrap()[0], SendOutcome::Sent { .. }), "keys are per queue");
+    let SendOutcome::Sent { id } = first else {
+        panic!("first send must be sent")
+    };
+    assert_eq!(
+        s.message_send(vec![with_key("k1")]).await.unwrap()[0],
+        SendOutcome::Duplicate { existing_id: id.clone() }
+    );
+    assert!(
+        matches!(
+            s.message_send(vec![SendParams {
+                queue: "other".into(),
+                ..with_key("k1")
+            }])
+            .await
+            .unwrap()[0],
+            SendOutcome::Sent { .. }
+        ),
+        "keys are per queue"
+    );
     // a follow-up with the same key inside a message transaction is dropped too
     let mut tx = s.transaction_begin().await.unwrap();
     tx.message_enqueue(with_key("k1"));
@@ -158,8 +224,13 @@ pub async fn dedup_window(store: Arc<dyn Store>, window: Duration) {
 
 pub async fn delayed_messages_become_visible_in_due_order(store: Arc<dyn Store>) {
     let s = store.as_ref();
-    let delayed = |p: &str, ms: u64| SendParams { delay: Duration::from_millis(ms), ..send("q", p) };
-    s.message_send(vec![delayed("late", 600), delayed("now", 0), delayed("soon", 300)]).await.unwrap();
+    let delayed = |p: &str, ms: u64| SendParams {
+        delay: Duration::from_millis(ms),
+        ..send("q", p)
+    };
+    s.message_send(vec![delayed("late", 600), delayed("now", 0), delayed("soon", 300)])
+        .await
+        .unwrap();
     let mut order = Vec::new();
     for _ in 0..1000 {
         for m in lease(s, "q", 1, 10_000).await {
@@ -198,11 +269,20 @@ pub async fn typed_values_round_trip(store: Arc<dyn Store>) {
             ("j", Value::Null),
             ("t", Value::Null),
         ],
-        vec![("id", Value::String("big".into())), ("by", Value::Bytes(vec![7; 1 << 20])), ("i", Value::Int64(i64::MAX)), ("b", Value::Bool(false))],
+        vec![
+            ("id", Value::String("big".into())),
+            ("by", Value::Bytes(vec![7; 1 << 20])),
+            ("i", Value::Int64(i64::MAX)),
+            ("b", Value::Bool(false)),
+        ],
     ];
     let mut tx = s.transaction_begin().await.unwrap();
     for r in &rows {
-        let w = RowWrite { table: "typed".into(), op: WriteOp::Insert, columns: r.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() };
+        let w = RowWrite {
+            table: "typed".into(),
+            op: WriteOp::Insert,
+            columns: r.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+        };
         tx.row_write(typed.check_write(&w).unwrap());
     }
     tx.commit().await.unwrap();
@@ -218,7 +298,13 @@ pub async fn typed_values_round_trip(store: Arc<dyn Store>) {
     tx.rollback().await;
     // a large payload survives the queue
     let big = vec![b'x'; 2 << 20];
-    s.message_send(vec![SendParams { queue: "big".into(), payload: big.clone(), ..Default::default() }]).await.unwrap();
+    s.message_send(vec![SendParams {
+        queue: "big".into(),
+        payload: big.clone(),
+        ..Default::default()
+    }])
+    .await
+    .unwrap();
     assert_eq!(lease(s, "big", 1, 10_000).await[0].message.payload, big);
 }
 
@@ -230,7 +316,13 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
         if let Some(v) = v {
             cols.push(("v".into(), Value::String(v.into())));
         }
-        pairs.check_write(&RowWrite { table: "pairs".into(), op, columns: cols }).unwrap()
+        pairs
+            .check_write(&RowWrite {
+                table: "pairs".into(),
+                op,
+                columns: cols,
+            })
+            .unwrap()
     };
     let mut tx = s.transaction_begin().await.unwrap();
     for n in 0..5 {
@@ -241,7 +333,11 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     let mut tx = s.transaction_begin().await.unwrap();
     let x = tx.row_scan(&pairs, &[Value::String("x".into())], 3).await.unwrap();
     assert_eq!(x.len(), 3, "limit honoured");
-    assert_eq!(x.iter().map(|r| r[1].1.clone()).collect::<Vec<_>>(), vec![Value::Int64(0), Value::Int64(1), Value::Int64(2)], "key order");
+    assert_eq!(
+        x.iter().map(|r| r[1].1.clone()).collect::<Vec<_>>(),
+        vec![Value::Int64(0), Value::Int64(1), Value::Int64(2)],
+        "key order"
+    );
     assert_eq!(tx.row_scan(&pairs, &[], 100).await.unwrap().len(), 6);
     tx.rollback().await;
     // update, upsert, delete; update of a missing row is refused
@@ -252,7 +348,11 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     tx.row_write(w(WriteOp::Delete, "x", 4, None));
     tx.commit().await.unwrap();
     let rows = s.table_rows("pairs").await.unwrap();
-    let v = |a: &str, n: i64| rows.iter().find(|r| r[0].1 == Value::String(a.into()) && r[1].1 == Value::Int64(n)).map(|r| r[2].1.clone());
+    let v = |a: &str, n: i64| {
+        rows.iter()
+            .find(|r| r[0].1 == Value::String(a.into()) && r[1].1 == Value::Int64(n))
+            .map(|r| r[2].1.clone())
+    };
     assert_eq!(v("x", 0), Some(Value::String("v1".into())));
     assert_eq!(v("x", 1), Some(Value::String("v2".into())));
     assert_eq!(v("z", 9), Some(Value::String("new".into())));
@@ -262,7 +362,10 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     assert!(matches!(tx.commit().await, Err(StoreError::WriteRefused(_))));
     let mut tx = s.transaction_begin().await.unwrap();
     tx.row_write(w(WriteOp::Insert, "x", 0, Some("dup")));
-    assert!(matches!(tx.commit().await, Err(StoreError::WriteRefused(_))), "insert of an existing key is refused");
+    assert!(
+        matches!(tx.commit().await, Err(StoreError::WriteRefused(_))),
+        "insert of an existing key is refused"
+    );
     // an ack that fails rolls back the writes buffered with it
     s.message_send(vec![send("q", "m")]).await.unwrap();
     let m = lease(s, "q", 1, 10_000).await.remove(0);
@@ -279,7 +382,11 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     });
     tx.message_ack(&m.lease);
     assert!(matches!(tx.commit().await, Err(StoreError::LeaseLost { .. })));
-    assert_eq!(s.table_rows("pairs").await.unwrap().len(), 6, "nothing of the failed transaction is visible");
+    assert_eq!(
+        s.table_rows("pairs").await.unwrap().len(),
+        6,
+        "nothing of the failed transaction is visible"
+    );
     assert!(s.outbox_list(10).await.unwrap().is_empty());
     // a conflicting write between read and commit aborts the reader
     let mut reader = s.transaction_begin().await.unwrap();
@@ -314,7 +421,10 @@ pub async fn outbox_intents(store: Arc<dyn Store>) {
     let list = s.outbox_list(10).await.unwrap();
     let keys: Vec<&str> = list.iter().map(|i| i.idempotency_key.as_str()).collect();
     assert_eq!(keys.len(), 2, "{keys:?}");
-    assert!(keys.contains(&"k1") && keys.contains(&"k2"), "a re-emitted key is kept once; a rolled-back one never appears");
+    assert!(
+        keys.contains(&"k1") && keys.contains(&"k2"),
+        "a re-emitted key is kept once; a rolled-back one never appears"
+    );
     assert_eq!(list[0].payload_text, r#"{"amount": 5}"#);
     assert_eq!(s.stats().await.unwrap().outbox_pending, 2);
 }

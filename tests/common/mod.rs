@@ -22,12 +22,17 @@ CREATE TABLE secrets (id TEXT PRIMARY KEY, note TEXT, n INTEGER, data BLOB);
 ";
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("host/ has a parent")
+        .to_path_buf()
 }
 
 /// A built guest component (`make guests` builds them).
 pub fn guest(name: &str) -> PathBuf {
-    let p = repo_root().join("guest-examples/target/wasm32-wasip2/release").join(format!("{name}.wasm"));
+    let p = repo_root()
+        .join("guest-examples/target/wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
     assert!(p.exists(), "{} is missing: run `make guests` first", p.display());
     p
 }
@@ -61,8 +66,14 @@ impl TestDb {
     }
 
     pub async fn send(&self, queue: &str, payloads: impl IntoIterator<Item = String>) {
-        let msgs: Vec<SendParams> =
-            payloads.into_iter().map(|p| SendParams { queue: queue.into(), payload: p.into_bytes(), ..Default::default() }).collect();
+        let msgs: Vec<SendParams> = payloads
+            .into_iter()
+            .map(|p| SendParams {
+                queue: queue.into(),
+                payload: p.into_bytes(),
+                ..Default::default()
+            })
+            .collect();
         for chunk in msgs.chunks(500) {
             self.store.message_send(chunk.to_vec()).await.expect("send");
         }
@@ -74,7 +85,11 @@ impl TestDb {
 }
 
 pub fn runtime() -> Runtime {
-    Runtime::new(RuntimeConfig { max_instances: 64, max_memory: 64 << 20 }).expect("runtime")
+    Runtime::new(RuntimeConfig {
+        max_instances: 64,
+        max_memory: 64 << 20,
+    })
+    .expect("runtime")
 }
 
 pub fn wasm(runtime: &Runtime, name: &str, limits: HandlerLimits) -> WasmHandler {
@@ -105,7 +120,13 @@ pub fn policy(workers: usize, max_attempts: u32) -> Policy {
 
 pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, grants: Grants, policy: Policy) -> Arc<QueueRunner> {
     Arc::new(QueueRunner::new(
-        QueueSpec { name: queue.into(), handler, grants, limits: EffectLimits::default(), policy },
+        QueueSpec {
+            name: queue.into(),
+            handler,
+            grants,
+            limits: EffectLimits::default(),
+            policy,
+        },
         store.clone(),
     ))
 }
@@ -114,7 +135,9 @@ pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, gr
 pub async fn drain(store: &Arc<dyn Store>, runners: &[Arc<QueueRunner>]) {
     let (tx, _) = tokio::sync::watch::channel(false);
     let run = protocol::run_queues(store.clone(), runners.to_vec(), Arc::new(tx), true);
-    tokio::time::timeout(Duration::from_secs(60), run).await.expect("queues did not drain within 60s");
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("queues did not drain within 60s");
 }
 
 /// Poll `cond` until it holds (or fail after `timeout`).
@@ -143,7 +166,10 @@ pub async fn seed_accounts(store: &dyn Store, n: usize, balance: i64) {
         let w = onceq::value::RowWrite {
             table: "accounts".into(),
             op: onceq::value::WriteOp::Insert,
-            columns: vec![("id".into(), Value::String(format!("acct-{i}"))), ("balance".into(), Value::Int64(balance))],
+            columns: vec![
+                ("id".into(), Value::String(format!("acct-{i}"))),
+                ("balance".into(), Value::Int64(balance)),
+            ],
         };
         tx.row_write(table.check_write(&w).unwrap());
     }

@@ -22,14 +22,20 @@ impl Handler for Inventory {
     fn handle(ctx: &mut Ctx, msg: &Message) -> Result<(), Error> {
         let req: Reserve = msg.json()?;
         if req.qty <= 0 {
-            return Err(Error::reject(format!("order {}: qty must be positive, got {}", req.order_id, req.qty)));
+            return Err(Error::reject(format!(
+                "order {}: qty must be positive, got {}",
+                req.order_id, req.qty
+            )));
         }
         let Some(item) = ctx.get("items", &[Value::from(req.sku.as_str())])? else {
             return Err(Error::reject(format!("order {}: unknown item {}", req.order_id, req.sku)));
         };
         let stock = item.i64("stock")?;
         let status = if stock >= req.qty {
-            ctx.update("items", [("sku", Value::from(req.sku.as_str())), ("stock", Value::from(stock - req.qty))]);
+            ctx.update(
+                "items",
+                [("sku", Value::from(req.sku.as_str())), ("stock", Value::from(stock - req.qty))],
+            );
             "reserved"
         } else {
             "backordered"

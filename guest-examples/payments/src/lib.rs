@@ -21,10 +21,16 @@ impl Handler for Payments {
     fn handle(ctx: &mut Ctx, msg: &Message) -> Result<(), Error> {
         let order: Order = msg.json()?;
         if order.amount <= 0 {
-            return Err(Error::reject(format!("order {}: amount must be positive, got {}", order.order_id, order.amount)));
+            return Err(Error::reject(format!(
+                "order {}: amount must be positive, got {}",
+                order.order_id, order.amount
+            )));
         }
         let Some(account) = ctx.get("accounts", &[Value::from(order.account.as_str())])? else {
-            return Err(Error::reject(format!("order {}: unknown account {}", order.order_id, order.account)));
+            return Err(Error::reject(format!(
+                "order {}: unknown account {}",
+                order.order_id, order.account
+            )));
         };
         let balance = account.i64("balance")?;
         let now = Value::Timestamp(msg.now);

@@ -68,16 +68,12 @@ impl Message {
     /// (dead-lettered at once) with a reason naming the problem: retrying a
     /// malformed message can never succeed.
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, Error> {
-        serde_json::from_slice(&self.payload)
-            .map_err(|e| Error::reject(format!("malformed payload: {e}")))
+        serde_json::from_slice(&self.payload).map_err(|e| Error::reject(format!("malformed payload: {e}")))
     }
 
     /// An attribute by name.
     pub fn attribute(&self, name: &str) -> Option<&str> {
-        self.attributes
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        self.attributes.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 }
 
@@ -93,11 +89,17 @@ pub enum Error {
 impl Error {
     /// Try again later, after the host's backoff.
     pub fn retry(reason: impl Into<String>) -> Self {
-        Error::Retry { reason: reason.into(), delay_ms: None }
+        Error::Retry {
+            reason: reason.into(),
+            delay_ms: None,
+        }
     }
     /// Try again no earlier than `delay_ms` from now.
     pub fn retry_after(reason: impl Into<String>, delay_ms: u64) -> Self {
-        Error::Retry { reason: reason.into(), delay_ms: Some(delay_ms) }
+        Error::Retry {
+            reason: reason.into(),
+            delay_ms: Some(delay_ms),
+        }
     }
     /// Dead-letter the message with this reason.
     pub fn reject(reason: impl Into<String>) -> Self {
@@ -230,7 +232,10 @@ pub struct Ctx {
 
 fn columns<'a>(cols: impl IntoIterator<Item = (&'a str, Value)>) -> Vec<wit::Column> {
     cols.into_iter()
-        .map(|(name, value)| wit::Column { name: name.to_string(), value })
+        .map(|(name, value)| wit::Column {
+            name: name.to_string(),
+            value,
+        })
         .collect()
 }
 
@@ -339,9 +344,7 @@ pub fn __run<H: Handler>(msg: wit::Message) -> Result<Vec<Effect>, wit::HandlerE
     let mut ctx = Ctx::default();
     match H::handle(&mut ctx, &msg) {
         Ok(()) => Ok(ctx.effects),
-        Err(Error::Retry { reason, delay_ms }) => {
-            Err(wit::HandlerError::Retry(wit::RetryLater { reason, delay_ms }))
-        }
+        Err(Error::Retry { reason, delay_ms }) => Err(wit::HandlerError::Retry(wit::RetryLater { reason, delay_ms })),
         Err(Error::Reject(reason)) => Err(wit::HandlerError::Reject(reason)),
     }
 }

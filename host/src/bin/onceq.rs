@@ -103,9 +103,13 @@ enum DlqCommand {
         #[arg(long)]
         json: bool,
     },
-    Show { id: String },
+    Show {
+        id: String,
+    },
     /// Put a dead letter back on its queue.
-    Replay { id: String },
+    Replay {
+        id: String,
+    },
 }
 
 fn init_tracing(format: LogFormat, default: &str) {
@@ -120,7 +124,11 @@ fn init_tracing(format: LogFormat, default: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints its own summary; per-message logs would drown it.
-    let default_filter = if matches!(cli.command, Command::Demo(_)) { "warn" } else { "onceq=info,warn" };
+    let default_filter = if matches!(cli.command, Command::Demo(_)) {
+        "warn"
+    } else {
+        "onceq=info,warn"
+    };
     init_tracing(cli.log_format, default_filter);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -173,15 +181,30 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Init => {
             let store = app::init(&cfg)?;
             let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
-            println!("initialized {} (business tables: {})", cfg.store, if tables.is_empty() { "none".into() } else { tables.join(", ") });
+            println!(
+                "initialized {} (business tables: {})",
+                cfg.store,
+                if tables.is_empty() { "none".into() } else { tables.join(", ") }
+            );
         }
-        Command::Send { queue, payload, file, jsonl, dedup_key, delay, attributes } => {
+        Command::Send {
+            queue,
+            payload,
+            file,
+            jsonl,
+            dedup_key,
+            delay,
+            attributes,
+        } => {
             let store = app::open_store(&cfg)?;
             let delay = match delay {
                 Some(d) => parse_duration("--delay", &d)?,
                 None => Default::default(),
             };
-            let attributes = attributes.iter().map(|a| app::parse_attribute(a)).collect::<anyhow::Result<Vec<_>>>()?;
+            let attributes = attributes
+                .iter()
+                .map(|a| app::parse_attribute(a))
+                .collect::<anyhow::Result<Vec<_>>>()?;
             let payloads: Vec<Vec<u8>> = if let Some(src) = jsonl {
                 let mut text = String::new();
                 if src == "-" {
@@ -200,10 +223,23 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let msgs: Vec<SendParams> = payloads
                 .into_iter()
-                .map(|payload| SendParams { queue: queue.clone(), payload, attributes: attributes.clone(), delay, dedup_key: dedup_key.clone() })
+                .map(|payload| SendParams {
+                    queue: queue.clone(),
+                    payload,
+                    attributes: attributes.clone(),
+                    delay,
+                    dedup_key: dedup_key.clone(),
+                })
                 .collect();
             let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
-            println!("sent {sent} message(s) to {queue}{}", if dup > 0 { format!(", {dup} dropped as duplicates") } else { String::new() });
+            println!(
+                "sent {sent} message(s) to {queue}{}",
+                if dup > 0 {
+                    format!(", {dup} dropped as duplicates")
+                } else {
+                    String::new()
+                }
+            );
         }
         Command::Run { until_empty } => {
             let runners = app::run(&cfg, until_empty).await?;
@@ -260,7 +296,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
             }
         }
-        Command::Try { component, message, queue, id } => {
+        Command::Try {
+            component,
+            message,
+            queue,
+            id,
+        } => {
             let payload = std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?;
             let report = app::try_message(&cfg, &component, &queue, payload, id).await?;
             println!("{}", serde_json::to_string_pretty(&report)?);

@@ -29,7 +29,10 @@ pub struct EffectLimits {
 
 impl Default for EffectLimits {
     fn default() -> Self {
-        EffectLimits { max_effects: 1000, max_bytes: 1 << 20 }
+        EffectLimits {
+            max_effects: 1000,
+            max_bytes: 1 << 20,
+        }
     }
 }
 
@@ -58,7 +61,11 @@ pub fn check_and_buffer(
     tx: &mut dyn Transaction,
 ) -> Result<EffectCounts, String> {
     if effects.len() > limits.max_effects {
-        return Err(format!("{} effects returned, over the limit of {}", effects.len(), limits.max_effects));
+        return Err(format!(
+            "{} effects returned, over the limit of {}",
+            effects.len(),
+            limits.max_effects
+        ));
     }
     let bytes: usize = effects.iter().map(Effect::size).sum();
     if bytes > limits.max_bytes {
@@ -69,14 +76,20 @@ pub fn check_and_buffer(
         let c = match effect {
             Effect::Write(w) => {
                 if !grants.tables.contains(&w.table) {
-                    return Err(format!("effect {i}: write to table {} is not granted to queue {}", w.table, msg.queue));
+                    return Err(format!(
+                        "effect {i}: write to table {} is not granted to queue {}",
+                        w.table, msg.queue
+                    ));
                 }
                 let table = schema.table(&w.table).map_err(|e| format!("effect {i}: {e}"))?;
                 Checked::Write(table.check_write(&w).map_err(|e| format!("effect {i}: {e}"))?)
             }
             Effect::Enqueue(f) => {
                 if f.queue != msg.queue && !grants.queues.contains(&f.queue) {
-                    return Err(format!("effect {i}: enqueue on queue {} is not granted to queue {}", f.queue, msg.queue));
+                    return Err(format!(
+                        "effect {i}: enqueue on queue {} is not granted to queue {}",
+                        f.queue, msg.queue
+                    ));
                 }
                 if f.queue.is_empty() {
                     return Err(format!("effect {i}: enqueue needs a queue name"));
@@ -91,10 +104,16 @@ pub fn check_and_buffer(
             }
             Effect::Intent(it) => {
                 if !grants.connectors.contains(&it.connector) {
-                    return Err(format!("effect {i}: intent for connector {} is not granted to queue {}", it.connector, msg.queue));
+                    return Err(format!(
+                        "effect {i}: intent for connector {} is not granted to queue {}",
+                        it.connector, msg.queue
+                    ));
                 }
                 if it.idempotency_key.is_empty() {
-                    return Err(format!("effect {i}: intent for connector {} has an empty idempotency key", it.connector));
+                    return Err(format!(
+                        "effect {i}: intent for connector {} has an empty idempotency key",
+                        it.connector
+                    ));
                 }
                 Checked::Intent(IntentParams {
                     connector: it.connector,

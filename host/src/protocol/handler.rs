@@ -76,7 +76,14 @@ pub const MAX_SCAN_ROWS: u32 = 1000;
 
 impl ReadScope {
     pub fn new(tx: Box<dyn Transaction>, schema: Arc<Schema>, tables: Arc<BTreeSet<String>>) -> ReadScope {
-        ReadScope { tx, schema, tables, violation: None, store_error: None, reads: 0 }
+        ReadScope {
+            tx,
+            schema,
+            tables,
+            violation: None,
+            store_error: None,
+            reads: 0,
+        }
     }
 
     /// Give the transaction back (for commit or rollback).
@@ -153,7 +160,10 @@ impl NativeHandler {
         F: Fn(Message, ReadScope) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = HandleOutput> + Send + 'static,
     {
-        NativeHandler { version: version.to_string(), f: Box::new(move |m, s| Box::pin(f(m, s))) }
+        NativeHandler {
+            version: version.to_string(),
+            f: Box::new(move |m, s| Box::pin(f(m, s))),
+        }
     }
 }
 

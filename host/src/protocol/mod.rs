@@ -125,7 +125,11 @@ impl Metrics {
 
     /// Latency quantile in microseconds (0 when nothing was recorded).
     pub fn latency_quantile(&self, q: f64) -> u64 {
-        self.latency_us.lock().ok().and_then(|h| h.as_ref().map(|h| h.value_at_quantile(q))).unwrap_or(0)
+        self.latency_us
+            .lock()
+            .ok()
+            .and_then(|h| h.as_ref().map(|h| h.value_at_quantile(q)))
+            .unwrap_or(0)
     }
 
     /// Messages that reached a final outcome (acked once or dead-lettered).
@@ -162,7 +166,12 @@ enum AttemptError {
 impl QueueRunner {
     pub fn new(spec: QueueSpec, store: Arc<dyn Store>) -> QueueRunner {
         let tables = Arc::new(spec.grants.tables.clone());
-        QueueRunner { spec, store, tables, metrics: Arc::new(Metrics::default()) }
+        QueueRunner {
+            spec,
+            store,
+            tables,
+            metrics: Arc::new(Metrics::default()),
+        }
     }
 
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
@@ -191,7 +200,11 @@ impl QueueRunner {
             }
             let leased = self
                 .store
-                .message_lease(LeaseParams { queue: self.spec.name.clone(), limit: p.batch.max(1), lease: p.lease })
+                .message_lease(LeaseParams {
+                    queue: self.spec.name.clone(),
+                    limit: p.batch.max(1),
+                    lease: p.lease,
+                })
                 .await;
             let batch = match leased {
                 Ok(b) => b,
@@ -303,10 +316,14 @@ impl QueueRunner {
                     };
                 }
                 AttemptError::Store(StoreError::WriteRefused(m)) => {
-                    return self.fail(lm, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen).await;
+                    return self
+                        .fail(lm, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen)
+                        .await;
                 }
                 AttemptError::Store(e) => {
-                    return self.fail(lm, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen).await;
+                    return self
+                        .fail(lm, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
+                        .await;
                 }
                 AttemptError::Handler(f) => return self.fail(lm, f, unknown_seen).await,
             }
@@ -322,12 +339,9 @@ impl QueueRunner {
         let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
         let mut tx = scope.into_transaction();
-        let failure = if let Some(e) = store_error {
-            Some(AttemptError::Store(e))
-        } else if let Some(v) = violation {
-            Some(AttemptError::Handler(HandlerFailure::Failed(v)))
-        } else {
-            None
+        let failure = match store_error {
+            Some(e) => Some(AttemptError::Store(e)),
+            None => violation.map(|v| AttemptError::Handler(HandlerFailure::Failed(v))),
         };
         let effects = match (failure, result) {
             (Some(f), _) => {
@@ -382,7 +396,15 @@ impl QueueRunner {
             let r = match &step {
                 Step::Retry(d, reason) => self.store.message_retry_later(&lm.lease, *d, reason).await,
                 Step::Dead(reason) => {
-                    self.store.message_dead_letter(&lm.lease, DeadLetterParams { reason: reason.clone(), handler_version: version.clone() }).await
+                    self.store
+                        .message_dead_letter(
+                            &lm.lease,
+                            DeadLetterParams {
+                                reason: reason.clone(),
+                                handler_version: version.clone(),
+                            },
+                        )
+                        .await
                 }
             };
             match r {
@@ -396,7 +418,11 @@ impl QueueRunner {
                     }
                 }
                 Err(StoreError::LeaseLost { .. }) => {
-                    return if unknown_seen { Outcome::AlreadyCommitted } else { Outcome::LeaseLost };
+                    return if unknown_seen {
+                        Outcome::AlreadyCommitted
+                    } else {
+                        Outcome::LeaseLost
+                    };
                 }
                 Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && tries < self.spec.policy.max_reruns => {
                     tries += 1;
@@ -404,7 +430,9 @@ impl QueueRunner {
                     tokio::time::sleep(jittered(Duration::from_millis(1 << tries.min(6)))).await;
                 }
                 Err(e) => {
-                    warn!("could not record the failure (the lease will expire and the message will be retried): {e}; failure was: {failure}");
+                    warn!(
+                        "could not record the failure (the lease will expire and the message will be retried): {e}; failure was: {failure}"
+                    );
                     return Outcome::LeaseLost;
                 }
             }

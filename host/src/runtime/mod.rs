@@ -49,7 +49,10 @@ pub struct RuntimeConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { max_instances: 128, max_memory: 64 << 20 }
+        RuntimeConfig {
+            max_instances: 128,
+            max_memory: 64 << 20,
+        }
     }
 }
 
@@ -64,7 +67,10 @@ pub struct HandlerLimits {
 
 impl Default for HandlerLimits {
     fn default() -> Self {
-        HandlerLimits { deadline: Duration::from_secs(1), memory: 64 << 20 }
+        HandlerLimits {
+            deadline: Duration::from_secs(1),
+            memory: 64 << 20,
+        }
     }
 }
 
@@ -152,7 +158,12 @@ impl Runtime {
                 })
                 .map_err(|e| anyhow::anyhow!("starting the epoch ticker: {e}"))?;
         }
-        Ok(Runtime { engine, linker: Arc::new(linker), config, _ticker: EpochTicker { stop } })
+        Ok(Runtime {
+            engine,
+            linker: Arc::new(linker),
+            config,
+            _ticker: EpochTicker { stop },
+        })
     }
 
     /// Check and compile a component, without preparing it for a queue.
@@ -168,7 +179,15 @@ impl Runtime {
         let imports: Vec<String> = ty.imports(&self.engine).map(|(n, _)| n.to_string()).collect();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(n, _)| n.to_string()).collect();
         let version = hex16(&sha2::Sha256::digest(bytes));
-        Ok((component, ComponentInfo { version, size: bytes.len(), imports, exports }))
+        Ok((
+            component,
+            ComponentInfo {
+                version,
+                size: bytes.len(),
+                imports,
+                exports,
+            },
+        ))
     }
 
     /// Validate, compile and prepare a handler component.
@@ -181,16 +200,27 @@ impl Runtime {
         if !info.exports.iter().any(|e| wasi::unversioned(e) == "onceq:handler/handler") {
             return Err(DeployError::NoHandlerExport(info.exports));
         }
-        let pre = self.linker.instantiate_pre(&component).map_err(|e| DeployError::WrongWorld(format!("{e:#}")))?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| DeployError::WrongWorld(format!("{e:#}")))?;
         let pre = bindings::QueueHandlerPre::new(pre).map_err(|e| DeployError::WrongWorld(format!("{e:#}")))?;
-        let limits = HandlerLimits { memory: limits.memory.min(self.config.max_memory), ..limits };
-        Ok(WasmHandler { pre, version: info.version, limits })
+        let limits = HandlerLimits {
+            memory: limits.memory.min(self.config.max_memory),
+            ..limits
+        };
+        Ok(WasmHandler {
+            pre,
+            version: info.version,
+            limits,
+        })
     }
 
     /// Load a handler from a file, naming the file in errors.
     pub fn load_file(&self, path: &std::path::Path, limits: HandlerLimits) -> anyhow::Result<WasmHandler> {
         let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
-        self.load(&bytes, limits).map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))
+        self.load(&bytes, limits)
+            .map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))
     }
 
     /// Refuse a configuration whose workers could exhaust the instance pool
@@ -259,7 +289,10 @@ pub struct HostState {
 
 impl wasmtime_wasi::WasiView for HostState {
     fn ctx(&mut self) -> wasmtime_wasi::WasiCtxView<'_> {
-        wasmtime_wasi::WasiCtxView { ctx: &mut self.wasi.ctx, table: &mut self.table }
+        wasmtime_wasi::WasiCtxView {
+            ctx: &mut self.wasi.ctx,
+            table: &mut self.table,
+        }
     }
 }
 
@@ -292,7 +325,12 @@ fn value_to_wit(v: value::Value) -> wit::Value {
 }
 
 fn row_to_wit(r: value::Row) -> Vec<wit::Column> {
-    r.into_iter().map(|(name, v)| wit::Column { name, value: value_to_wit(v) }).collect()
+    r.into_iter()
+        .map(|(name, v)| wit::Column {
+            name,
+            value: value_to_wit(v),
+        })
+        .collect()
 }
 
 fn columns_from_wit(cols: Vec<wit::Column>) -> Vec<(String, value::Value)> {
@@ -335,7 +373,10 @@ impl bindings::onceq::handler::store::Host for HostState {
 
     async fn scan(&mut self, table: String, prefix: Vec<wit::Value>, limit: u32) -> Result<Vec<Vec<wit::Column>>, String> {
         let prefix: Vec<value::Value> = prefix.into_iter().map(value_from_wit).collect();
-        self.scope.scan(&table, &prefix, limit).await.map(|rows| rows.into_iter().map(row_to_wit).collect())
+        self.scope
+            .scan(&table, &prefix, limit)
+            .await
+            .map(|rows| rows.into_iter().map(row_to_wit).collect())
     }
 }
 
@@ -370,7 +411,10 @@ impl WasmHandler {
         let state = HostState {
             wasi: wasi::DeterministicWasi::new(msg.logical_now(), msg.seed()),
             table: ResourceTable::new(),
-            limiter: Limiter { memory: self.limits.memory, memory_hit: false },
+            limiter: Limiter {
+                memory: self.limits.memory,
+                memory_hit: false,
+            },
             scope,
             ticks: 0,
             deadline_ticks,
@@ -421,7 +465,10 @@ fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
     for line in text.lines().filter(|l| !l.is_empty()) {
         tracing::info!(target: "onceq::guest", stream = "stderr", "{line}");
     }
-    text.lines().rev().find(|l| !l.trim().is_empty() && !l.starts_with("note:")).map(|l| l.trim().to_string())
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty() && !l.starts_with("note:"))
+        .map(|l| l.trim().to_string())
 }
 
 #[async_trait]
@@ -437,7 +484,10 @@ impl Handler for WasmHandler {
         let last_stderr = drain_stdio(&state.wasi);
         let result = match r {
             Ok(Ok(effects)) => Ok(effects.into_iter().map(effect_from_wit).collect()),
-            Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::Retry { reason: r.reason, delay: r.delay_ms.map(Duration::from_millis) }),
+            Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::Retry {
+                reason: r.reason,
+                delay: r.delay_ms.map(Duration::from_millis),
+            }),
             Ok(Err(wit::HandlerError::Reject(reason))) => Err(HandlerFailure::Reject(reason)),
             Err(e) => {
                 let mut reason = if state.timed_out {
@@ -457,6 +507,9 @@ impl Handler for WasmHandler {
                 Err(HandlerFailure::Failed(reason))
             }
         };
-        HandleOutput { scope: state.scope, result }
+        HandleOutput {
+            scope: state.scope,
+            result,
+        }
     }
 }

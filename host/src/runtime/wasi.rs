@@ -132,16 +132,16 @@ fn cli_view(t: &mut HostState) -> wasmtime_wasi::cli::WasiCliCtxView<'_> {
 }
 
 pub fn add_to_linker(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
-    use wasmtime_wasi::p2::bindings::{cli, clocks, random};
     use wasmtime_wasi::cli::WasiCli;
     use wasmtime_wasi::clocks::WasiClocks;
+    use wasmtime_wasi::p2::bindings::{cli, clocks, random};
     use wasmtime_wasi::random::{WasiRandom, WasiRandomView};
     use wasmtime_wasi_io::bindings::wasi::io;
     io::error::add_to_linker::<HostState, HasIo>(l, |t| &mut t.table)?;
     io::poll::add_to_linker::<HostState, HasIo>(l, |t| &mut t.table)?;
     io::streams::add_to_linker::<HostState, HasIo>(l, |t| &mut t.table)?;
-    clocks::wall_clock::add_to_linker::<HostState, WasiClocks>(l, |t| wasmtime_wasi::clocks::WasiClocksView::clocks(t))?;
-    clocks::monotonic_clock::add_to_linker::<HostState, WasiClocks>(l, |t| wasmtime_wasi::clocks::WasiClocksView::clocks(t))?;
+    clocks::wall_clock::add_to_linker::<HostState, WasiClocks>(l, wasmtime_wasi::clocks::WasiClocksView::clocks)?;
+    clocks::monotonic_clock::add_to_linker::<HostState, WasiClocks>(l, wasmtime_wasi::clocks::WasiClocksView::clocks)?;
     random::random::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;
     random::insecure::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;
     random::insecure_seed::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;

@@ -120,7 +120,10 @@ impl Store for FaultyStore {
         self.inner.message_dead_letter(lease, params).await
     }
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
-        Ok(Box::new(FaultyTransaction { inner: self.inner.transaction_begin().await?, injector: self.injector.clone() }))
+        Ok(Box::new(FaultyTransaction {
+            inner: self.inner.transaction_begin().await?,
+            injector: self.injector.clone(),
+        }))
     }
     async fn stats(&self) -> StoreResult<Stats> {
         self.inner.stats().await

@@ -98,9 +98,13 @@ pub struct SendParams {
 /// The result of a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SendOutcome {
-    Sent { id: String },
+    Sent {
+        id: String,
+    },
     /// The dedup key was seen within the window; nothing was enqueued.
-    Duplicate { existing_id: String },
+    Duplicate {
+        existing_id: String,
+    },
 }
 
 #[derive(Debug, Clone)]

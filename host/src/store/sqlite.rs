@@ -165,7 +165,12 @@ fn select_sql(table: &TableSchema, key_len: usize, limit: bool) -> String {
     let mut sql = format!("SELECT {} FROM {}", cols.join(", "), quote(&table.name));
     let keys: Vec<String> = table.key_columns().map(|c| quote(&c.name)).collect();
     if key_len > 0 {
-        let conds: Vec<String> = keys.iter().take(key_len).enumerate().map(|(i, k)| format!("{k} = ?{}", i + 1)).collect();
+        let conds: Vec<String> = keys
+            .iter()
+            .take(key_len)
+            .enumerate()
+            .map(|(i, k)| format!("{k} = ?{}", i + 1))
+            .collect();
         sql.push_str(" WHERE ");
         sql.push_str(&conds.join(" AND "));
     }
@@ -199,7 +204,12 @@ fn row_scan_on(conn: &Connection, table: &TableSchema, prefix: &[Value], limit: 
 
 fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreResult<()> {
     let t = quote(&table.name);
-    let present: Vec<(usize, &Value)> = w.values.iter().enumerate().filter_map(|(i, v)| v.as_ref().map(|v| (i, v))).collect();
+    let present: Vec<(usize, &Value)> = w
+        .values
+        .iter()
+        .enumerate()
+        .filter_map(|(i, v)| v.as_ref().map(|v| (i, v)))
+        .collect();
     let name = |i: usize| table.columns.get(i).map_or_else(String::new, |c| quote(&c.name));
     let is_key = |i: usize| table.primary_key.contains(&i);
     let key_cond = |first: usize| -> String {
@@ -212,13 +222,23 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             .join(" AND ")
     };
     let key_vals = || -> Vec<SqlValue> {
-        table.primary_key.iter().map(|&k| w.values.get(k).cloned().flatten().map_or(SqlValue::Null, |v| to_sql(&v))).collect()
+        table
+            .primary_key
+            .iter()
+            .map(|&k| w.values.get(k).cloned().flatten().map_or(SqlValue::Null, |v| to_sql(&v)))
+            .collect()
     };
     let describe_key = || -> String {
         table
             .primary_key
             .iter()
-            .map(|&k| format!("{}={}", table.columns.get(k).map_or("?", |c| c.name.as_str()), w.values.get(k).cloned().flatten().unwrap_or(Value::Null)))
+            .map(|&k| {
+                format!(
+                    "{}={}",
+                    table.columns.get(k).map_or("?", |c| c.name.as_str()),
+                    w.values.get(k).cloned().flatten().unwrap_or(Value::Null)
+                )
+            })
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -229,7 +249,11 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             let mut sql = format!("INSERT INTO {t} ({}) VALUES ({})", cols.join(", "), marks.join(", "));
             if w.op == WriteOp::Upsert {
                 let keys: Vec<String> = table.primary_key.iter().map(|&k| name(k)).collect();
-                let sets: Vec<String> = present.iter().filter(|(i, _)| !is_key(*i)).map(|(i, _)| format!("{0} = excluded.{0}", name(*i))).collect();
+                let sets: Vec<String> = present
+                    .iter()
+                    .filter(|(i, _)| !is_key(*i))
+                    .map(|(i, _)| format!("{0} = excluded.{0}", name(*i)))
+                    .collect();
                 if sets.is_empty() {
                     sql.push_str(&format!(" ON CONFLICT ({}) DO NOTHING", keys.join(", ")));
                 } else {
@@ -237,24 +261,35 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
                 }
             }
             let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
-            stmt.execute(rusqlite::params_from_iter(present.iter().map(|(_, v)| to_sql(v)))).map_err(|e| match classify(e) {
-                StoreError::WriteRefused(m) => StoreError::WriteRefused(format!("{:?} into {} ({}): {m}", w.op, table.name, describe_key())),
-                other => other,
-            })?;
+            stmt.execute(rusqlite::params_from_iter(present.iter().map(|(_, v)| to_sql(v))))
+                .map_err(|e| match classify(e) {
+                    StoreError::WriteRefused(m) => {
+                        StoreError::WriteRefused(format!("{:?} into {} ({}): {m}", w.op, table.name, describe_key()))
+                    }
+                    other => other,
+                })?;
         }
         WriteOp::Update => {
             let sets: Vec<(usize, &Value)> = present.iter().filter(|(i, _)| !is_key(*i)).cloned().collect();
             if sets.is_empty() {
                 return Ok(());
             }
-            let assigns: Vec<String> = sets.iter().enumerate().map(|(n, (i, _))| format!("{} = ?{}", name(*i), n + 1)).collect();
+            let assigns: Vec<String> = sets
+                .iter()
+                .enumerate()
+                .map(|(n, (i, _))| format!("{} = ?{}", name(*i), n + 1))
+                .collect();
             let sql = format!("UPDATE {t} SET {} WHERE {}", assigns.join(", "), key_cond(sets.len() + 1));
             let mut params: Vec<SqlValue> = sets.iter().map(|(_, v)| to_sql(v)).collect();
             params.extend(key_vals());
             let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
             let n = stmt.execute(rusqlite::params_from_iter(params)).map_err(classify)?;
             if n != 1 {
-                return Err(StoreError::WriteRefused(format!("update of {} ({}): no such row", table.name, describe_key())));
+                return Err(StoreError::WriteRefused(format!(
+                    "update of {} ({}): no such row",
+                    table.name,
+                    describe_key()
+                )));
             }
         }
         WriteOp::Delete => {
@@ -283,7 +318,9 @@ fn micros(d: Duration) -> i64 {
 fn send_on(conn: &Connection, p: &SendParams, dedup_window: Duration) -> StoreResult<SendOutcome> {
     if let Some(key) = &p.dedup_key {
         let existing: Option<String> = conn
-            .prepare_cached(&format!("SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2 AND expires_at > {NOW}"))
+            .prepare_cached(&format!(
+                "SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2 AND expires_at > {NOW}"
+            ))
             .and_then(|mut s| s.query_row(params![p.queue, key], |r| r.get(0)).optional())
             .map_err(classify)?;
         if let Some(existing_id) = existing {
@@ -335,7 +372,12 @@ fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
         let mut columns = Vec::new();
         let mut pk: Vec<(i64, usize)> = Vec::new();
         let rows = info.query_map([], |r| {
-            Ok((r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, i64>(3)?, r.get::<_, i64>(5)?))
+            Ok((
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, i64>(5)?,
+            ))
         })?;
         for (i, row) in rows.enumerate() {
             let (col, decl, notnull, pk_pos) = row?;
@@ -347,7 +389,11 @@ fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
             if pk_pos > 0 {
                 pk.push((pk_pos, i));
             }
-            columns.push(ColumnSchema { name: col, ty, nullable: notnull == 0 && pk_pos == 0 });
+            columns.push(ColumnSchema {
+                name: col,
+                ty,
+                nullable: notnull == 0 && pk_pos == 0,
+            });
         }
         pk.sort();
         if pk.is_empty() {
@@ -355,7 +401,11 @@ fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
         }
         schema.tables.insert(
             name.clone(),
-            TableSchema { name, columns, primary_key: pk.into_iter().map(|(_, i)| i).collect() },
+            TableSchema {
+                name,
+                columns,
+                primary_key: pk.into_iter().map(|(_, i)| i).collect(),
+            },
         );
     }
     Ok(schema)
@@ -385,10 +435,15 @@ impl SqliteStore {
         let conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
         configure(&conn, options)?;
         let has_tables: bool = conn
-            .query_row("SELECT count(*) FROM sqlite_schema WHERE name = 'onceq_messages'", [], |r| r.get::<_, i64>(0))
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE name = 'onceq_messages'", [], |r| {
+                r.get::<_, i64>(0)
+            })
             .map(|n| n == 1)?;
         if !has_tables {
-            anyhow::bail!("{} is not an onceq database (no onceq_messages table): run `onceq init` first", path.display());
+            anyhow::bail!(
+                "{} is not an onceq database (no onceq_messages table): run `onceq init` first",
+                path.display()
+            );
         }
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
         Ok(SqliteStore {
@@ -490,7 +545,11 @@ impl Store for SqliteStore {
                                 attempt: r.get(3)?,
                                 enqueued_at: r.get(4)?,
                             },
-                            lease: Lease { queue: p.queue.clone(), message_id: r.get(0)?, token: token.clone() },
+                            lease: Lease {
+                                queue: p.queue.clone(),
+                                message_id: r.get(0)?,
+                                token: token.clone(),
+                            },
                             lease_until: r.get(5)?,
                         })
                     })
@@ -503,11 +562,23 @@ impl Store for SqliteStore {
     }
 
     async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
-        self.guarded_update(lease, &format!("visible_at = {NOW} + ?3"), Some(SqlValue::Integer(micros(duration))), None).await
+        self.guarded_update(
+            lease,
+            &format!("visible_at = {NOW} + ?3"),
+            Some(SqlValue::Integer(micros(duration))),
+            None,
+        )
+        .await
     }
 
     async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
-        self.guarded_update(lease, &format!("visible_at = {NOW}, lease_token = NULL, attempt = MAX(attempt - 1, 0)"), None, None).await
+        self.guarded_update(
+            lease,
+            &format!("visible_at = {NOW}, lease_token = NULL, attempt = MAX(attempt - 1, 0)"),
+            None,
+            None,
+        )
+        .await
     }
 
     async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
@@ -570,27 +641,49 @@ impl Store for SqliteStore {
                 .map_err(classify)?;
             let rows = stmt
                 .query_map([], |r| {
-                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, Option<i64>>(4)?))
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, i64>(3)?,
+                        r.get::<_, Option<i64>>(4)?,
+                    ))
                 })
                 .map_err(classify)?;
             for row in rows {
                 let (q, ready, leased, delayed, next_due) = row.map_err(classify)?;
-                let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats { queue: q, ..Default::default() });
+                let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats {
+                    queue: q,
+                    ..Default::default()
+                });
                 e.ready = ready as u64;
                 e.leased = leased as u64;
                 e.delayed = delayed as u64;
                 e.next_due_ms = next_due.map(|ms| ms.max(0) as u64);
             }
-            let mut stmt = c.prepare_cached("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue").map_err(classify)?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))).map_err(classify)?;
+            let mut stmt = c
+                .prepare_cached("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue")
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+                .map_err(classify)?;
             for row in rows {
                 let (q, dead) = row.map_err(classify)?;
-                by_queue.entry(q.clone()).or_insert_with(|| QueueStats { queue: q, ..Default::default() }).dead = dead as u64;
+                by_queue
+                    .entry(q.clone())
+                    .or_insert_with(|| QueueStats {
+                        queue: q,
+                        ..Default::default()
+                    })
+                    .dead = dead as u64;
             }
             let outbox_pending: i64 = c
                 .query_row("SELECT COUNT(*) FROM onceq_outbox WHERE delivered_at IS NULL", [], |r| r.get(0))
                 .map_err(classify)?;
-            Ok(Stats { queues: by_queue.into_values().collect(), outbox_pending: outbox_pending as u64 })
+            Ok(Stats {
+                queues: by_queue.into_values().collect(),
+                outbox_pending: outbox_pending as u64,
+            })
         })
     }
 
@@ -602,7 +695,9 @@ impl Store for SqliteStore {
                      FROM onceq_dead_letters WHERE ?1 IS NULL OR queue = ?1 ORDER BY failed_at DESC, id LIMIT ?2",
                 )
                 .map_err(classify)?;
-            let rows = stmt.query_map(params![queue, limit as i64], dead_letter_from_row).map_err(classify)?;
+            let rows = stmt
+                .query_map(params![queue, limit as i64], dead_letter_from_row)
+                .map_err(classify)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(classify)
         })
     }
@@ -710,7 +805,9 @@ impl SqliteStore {
             if n == 1 {
                 Ok(())
             } else {
-                Err(StoreError::LeaseLost { message_id: lease.message_id.clone() })
+                Err(StoreError::LeaseLost {
+                    message_id: lease.message_id.clone(),
+                })
             }
         })
         .await
@@ -719,8 +816,17 @@ impl SqliteStore {
 
 /// A read the handler made, to be checked again at commit.
 enum ReadRecord {
-    Get { table: TableSchema, key: Vec<Value>, result: Option<Row> },
-    Scan { table: TableSchema, prefix: Vec<Value>, limit: usize, result: Vec<Row> },
+    Get {
+        table: TableSchema,
+        key: Vec<Value>,
+        result: Option<Row>,
+    },
+    Scan {
+        table: TableSchema,
+        prefix: Vec<Value>,
+        limit: usize,
+        result: Vec<Row>,
+    },
 }
 
 struct Buffered {
@@ -749,7 +855,9 @@ impl SqliteTransaction {
             c.execute_batch("BEGIN DEFERRED").map_err(classify)?;
             self.reader = Some(c);
         }
-        self.reader.as_ref().ok_or_else(|| StoreError::Permanent("reader connection missing".into()))
+        self.reader
+            .as_ref()
+            .ok_or_else(|| StoreError::Permanent("reader connection missing".into()))
     }
 
     fn end_snapshot(&mut self) {
@@ -775,14 +883,23 @@ fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSche
 impl Transaction for SqliteTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
         let result = row_get_on(self.snapshot()?, table, key)?;
-        self.reads.push(ReadRecord::Get { table: table.clone(), key: key.to_vec(), result: result.clone() });
+        self.reads.push(ReadRecord::Get {
+            table: table.clone(),
+            key: key.to_vec(),
+            result: result.clone(),
+        });
         Ok(result)
     }
 
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         let limit = limit.min(MAX_SCAN_ROWS);
         let result = row_scan_on(self.snapshot()?, table, prefix, limit)?;
-        self.reads.push(ReadRecord::Scan { table: table.clone(), prefix: prefix.to_vec(), limit, result: result.clone() });
+        self.reads.push(ReadRecord::Scan {
+            table: table.clone(),
+            prefix: prefix.to_vec(),
+            limit,
+            result: result.clone(),
+        });
         Ok(result)
     }
 
