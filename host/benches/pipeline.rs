@@ -228,9 +228,9 @@ async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, w
 }
 
 /// The physical limit: the same statements in a plain rusqlite loop.
-fn raw_sqlite(dir: &Path, n: usize) -> Run {
+fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
     use rusqlite::params;
-    let (store, path) = fresh_db(dir, "raw.db");
+    let (store, path) = fresh_db(dir, name);
     drop(store);
     let mut c = rusqlite::Connection::open(&path).unwrap();
     c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;").unwrap();
@@ -338,18 +338,40 @@ fn main() {
             println!("native pipeline: {:.0} messages/s", r.msgs_per_s);
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("wasm") {
+            let r = pipeline(dir.path(), "only.db", wasm.clone(), n, 1).await;
+            println!("wasm pipeline: {:.0} messages/s", r.msgs_per_s);
+            return;
+        }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("raw") {
+            let r = raw_sqlite(dir.path(), "only-raw.db", n);
+            println!("raw loop: {:.0} messages/s", r.msgs_per_s);
+            return;
+        }
         let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await; // warm up
         let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
         let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
 
-        let wasm1 = pipeline(dir.path(), "wasm1.db", wasm.clone(), n, 1).await;
-        let native1 = pipeline(dir.path(), "native1.db", native.clone(), n, 1).await;
-        let wasm4 = pipeline(dir.path(), "wasm4.db", wasm.clone(), n, 4).await;
-        let native4 = pipeline(dir.path(), "native4.db", native.clone(), n, 4).await;
-        let raw = raw_sqlite(dir.path(), n);
+        // Interleave the configurations over a few rounds and keep each
+        // one's best: on a noisy 2-core VM the disk and the neighbours drift.
+        let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
+        let best = |a: Option<Run>, b: Run| match a {
+            Some(a) if a.msgs_per_s >= b.msgs_per_s => Some(a),
+            _ => Some(b),
+        };
+        let (mut wasm1, mut native1, mut wasm4, mut native4, mut raw) = (None, None, None, None, None);
+        for r in 0..rounds {
+            wasm1 = best(wasm1, pipeline(dir.path(), &format!("wasm1-{r}.db"), wasm.clone(), n, 1).await);
+            native1 = best(native1, pipeline(dir.path(), &format!("native1-{r}.db"), native.clone(), n, 1).await);
+            raw = best(raw, raw_sqlite(dir.path(), &format!("raw-{r}.db"), n));
+            wasm4 = best(wasm4, pipeline(dir.path(), &format!("wasm4-{r}.db"), wasm.clone(), n, 4).await);
+            native4 = best(native4, pipeline(dir.path(), &format!("native4-{r}.db"), native.clone(), n, 4).await);
+        }
+        let (wasm1, native1, wasm4, native4, raw) =
+            (wasm1.unwrap(), native1.unwrap(), wasm4.unwrap(), native4.unwrap(), raw.unwrap());
 
         println!(
-            "## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores)\n",
+            "## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores, best of {rounds} interleaved rounds)\n",
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         );
         println!("compile payments.wasm: {compile_ms:.1} ms\n");
@@ -386,6 +408,10 @@ fn main() {
         println!(
             "| Wasm / native throughput, 4 workers | {:.2} | >= 0.8 |",
             wasm4.msgs_per_s / native4.msgs_per_s
+        );
+        println!(
+            "| onceq (native, 1 worker) / raw SQLite | {:.2} | (the pipeline without the sandbox) |",
+            native1.msgs_per_s / raw.msgs_per_s
         );
         println!(
             "| onceq (Wasm, best) / raw SQLite | {:.2} | >= 0.7 |",
