@@ -7,7 +7,7 @@ GUEST_DIR    := guest-examples
 GUEST_OUT    := $(GUEST_DIR)/target/$(GUEST_TARGET)/release
 ONCEQ        := target/release/onceq
 
-.PHONY: all tools guests build run test bench lint fmt clean
+.PHONY: all tools guests build run test bench lint fmt clean emulator
 
 all: build guests
 
@@ -27,9 +27,10 @@ build:
 run: guests build
 	$(ONCEQ) demo --guests $(GUEST_OUT)
 
-## test: every test, against real SQLite files and built components
+## test: every test: real SQLite files, built components, and a Cloud Spanner
+## emulator started on free ports and stopped by pid (tests/with-spanner-emulator.sh)
 test: guests
-	$(CARGO) test --release --workspace
+	tests/with-spanner-emulator.sh $(CARGO) test --release --workspace
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests
@@ -39,6 +40,10 @@ bench: guests
 lint:
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 	cd $(GUEST_DIR) && $(CARGO) clippy --release --target $(GUEST_TARGET) -- -D warnings
+
+## emulator: a shell with a Spanner emulator running (SPANNER_EMULATOR_HOST set)
+emulator:
+	tests/with-spanner-emulator.sh $${SHELL:-bash}
 
 fmt:
 	$(CARGO) fmt --all

@@ -362,13 +362,18 @@ fn main() {
         let (mut wasm1, mut native1, mut wasm4, mut native4, mut raw) = (None, None, None, None, None);
         for r in 0..rounds {
             wasm1 = best(wasm1, pipeline(dir.path(), &format!("wasm1-{r}.db"), wasm.clone(), n, 1).await);
-            native1 = best(native1, pipeline(dir.path(), &format!("native1-{r}.db"), native.clone(), n, 1).await);
+            native1 = best(
+                native1,
+                pipeline(dir.path(), &format!("native1-{r}.db"), native.clone(), n, 1).await,
+            );
             raw = best(raw, raw_sqlite(dir.path(), &format!("raw-{r}.db"), n));
             wasm4 = best(wasm4, pipeline(dir.path(), &format!("wasm4-{r}.db"), wasm.clone(), n, 4).await);
-            native4 = best(native4, pipeline(dir.path(), &format!("native4-{r}.db"), native.clone(), n, 4).await);
+            native4 = best(
+                native4,
+                pipeline(dir.path(), &format!("native4-{r}.db"), native.clone(), n, 4).await,
+            );
         }
-        let (wasm1, native1, wasm4, native4, raw) =
-            (wasm1.unwrap(), native1.unwrap(), wasm4.unwrap(), native4.unwrap(), raw.unwrap());
+        let (wasm1, native1, wasm4, native4, raw) = (wasm1.unwrap(), native1.unwrap(), wasm4.unwrap(), native4.unwrap(), raw.unwrap());
 
         println!(
             "## onceq bench ({n} payments messages, SQLite WAL synchronous=FULL, {} cores, best of {rounds} interleaved rounds)\n",

@@ -28,6 +28,14 @@ impl Value {
     pub fn same(&self, other: &Value) -> bool {
         match (self, other) {
             (Value::Float64(a), Value::Float64(b)) => a.to_bits() == b.to_bits(),
+            // Databases normalize JSON (key order, spacing): compare documents.
+            (Value::Json(a), Value::Json(b)) => {
+                a == b
+                    || matches!(
+                        (serde_json::from_str::<serde_json::Value>(a), serde_json::from_str::<serde_json::Value>(b)),
+                        (Ok(x), Ok(y)) if x == y
+                    )
+            }
             _ => self == other,
         }
     }

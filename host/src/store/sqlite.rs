@@ -358,7 +358,9 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
     if !mode.eq_ignore_ascii_case("wal") {
         anyhow::bail!("could not switch the database to WAL mode (got {mode})");
     }
-    conn.execute_batch(&format!("PRAGMA synchronous = {sync}; PRAGMA foreign_keys = ON; PRAGMA mmap_size = {MMAP_SIZE};"))?;
+    conn.execute_batch(&format!(
+        "PRAGMA synchronous = {sync}; PRAGMA foreign_keys = ON; PRAGMA mmap_size = {MMAP_SIZE};"
+    ))?;
     conn.set_prepared_statement_cache_capacity(256);
     Ok(())
 }

@@ -1,0 +1,1253 @@
+//! The Cloud Spanner store (Google's official client, `google-cloud-spanner`).
+//!
+//! ## Tables
+//!
+//! Queues are ordinary tables shaped like native Spanner queues (the emulator
+//! does not parse `CREATE QUEUE`): random message ids, a visibility time, a
+//! lease token. The primary key starts with a shard number derived from the
+//! id (`shard = hash(id) % shards`), and workers lease from a random shard
+//! first, so many hosts do not contend on one key range.
+//!
+//! Times are `INT64` microseconds taken from the database's clock
+//! (`UNIX_MICROS(CURRENT_TIMESTAMP())`), never the host's.
+//!
+//! ## A message transaction
+//!
+//! As on SQLite, reads are optimistic: the handler's reads run in a
+//! read-only (snapshot) transaction and are recorded; the commit is one
+//! read-write transaction (the client's `TransactionRunner`, which re-runs the
+//! closure on `ABORTED`) that re-reads and compares them, acks with
+//! `DELETE ... WHERE ... AND lease_token = @token ASSERT_ROWS_MODIFIED 1`,
+//! and buffers the writes, intents and follow-ups. A failed assertion
+//! (`OUT_OF_RANGE`) is returned out of the closure, so the client rolls the
+//! transaction back: it is never caught to commit the rest.
+//!
+//! ## Emulator
+//!
+//! The emulator has no multiplexed sessions, so concurrent transactions
+//! through one client fail ("Transaction not found"). Each operation here
+//! checks a client out of a small pool exclusively; on real Spanner one
+//! shared client would do, and the pool is a setting (`clients`).
+
+use super::*;
+use crate::schema::{column_type_from_decl, ColumnSchema, ColumnType};
+use crate::value::{random_id, rows_same, WriteOp};
+use google_cloud_spanner::client::{DatabaseClient, Spanner};
+use google_cloud_spanner::key::{Key, KeySetBuilder};
+use google_cloud_spanner::mutation::Mutation;
+use google_cloud_spanner::statement::Statement;
+use google_cloud_spanner::value::Value as SValue;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+type RwTx = google_cloud_spanner::transaction::ReadWriteTransaction;
+
+const NOW: &str = "UNIX_MICROS(CURRENT_TIMESTAMP())";
+
+/// onceq's own tables, in GoogleSQL.
+pub fn system_ddl() -> Vec<String> {
+    [
+        "CREATE TABLE onceq_messages (
+            shard INT64 NOT NULL, id STRING(64) NOT NULL, queue STRING(256) NOT NULL,
+            payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL, attempt INT64 NOT NULL,
+            enqueued_at INT64 NOT NULL, visible_at INT64 NOT NULL, lease_token STRING(64), last_error STRING(MAX)
+         ) PRIMARY KEY (shard, id)",
+        "CREATE INDEX onceq_messages_visible ON onceq_messages (queue, shard, visible_at)",
+        "CREATE TABLE onceq_dead_letters (
+            id STRING(64) NOT NULL, queue STRING(256) NOT NULL, payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL,
+            attempts INT64 NOT NULL, enqueued_at INT64 NOT NULL, failed_at INT64 NOT NULL, reason STRING(MAX) NOT NULL,
+            handler_version STRING(64)
+         ) PRIMARY KEY (id)",
+        "CREATE TABLE onceq_outbox (
+            id STRING(64) NOT NULL, connector STRING(256) NOT NULL, idempotency_key STRING(MAX) NOT NULL,
+            payload BYTES(MAX) NOT NULL, metadata STRING(MAX) NOT NULL, source_queue STRING(256) NOT NULL,
+            source_message_id STRING(64) NOT NULL, created_at INT64 NOT NULL, visible_at INT64 NOT NULL,
+            lease_token STRING(64), attempt INT64 NOT NULL, delivered_at INT64
+         ) PRIMARY KEY (id)",
+        "CREATE UNIQUE INDEX onceq_outbox_key ON onceq_outbox (connector, idempotency_key)",
+        "CREATE TABLE onceq_dedup (
+            queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
+         ) PRIMARY KEY (queue, dedup_key)",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Settings of the Spanner store.
+#[derive(Debug, Clone)]
+pub struct SpannerOptions {
+    /// `projects/P/instances/I/databases/D`.
+    pub database: String,
+    /// Shards per queue table key range.
+    pub shards: u32,
+    /// Clients in the pool (at most this many concurrent operations).
+    pub clients: usize,
+}
+
+fn classify(e: google_cloud_spanner::Error) -> StoreError {
+    use google_cloud_gax::error::rpc::Code;
+    let text = e.to_string();
+    if let Some(status) = e.status() {
+        return match status.code {
+            Code::Aborted => StoreError::Aborted(text),
+            Code::OutOfRange => StoreError::Permanent(format!("assertion failed: {text}")),
+            Code::AlreadyExists | Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => StoreError::WriteRefused(text),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Internal => {
+                StoreError::UnknownOutcome(text)
+            }
+            Code::ResourceExhausted => StoreError::Unavailable(text),
+            _ => StoreError::Permanent(text),
+        };
+    }
+    if e.is_timeout() || e.is_transport() || e.is_io() {
+        StoreError::UnknownOutcome(text)
+    } else {
+        StoreError::Permanent(text)
+    }
+}
+
+struct Pool {
+    spanner: Spanner,
+    database: String,
+    free: Mutex<Vec<DatabaseClient>>,
+    made: AtomicUsize,
+    max: usize,
+    ready: tokio::sync::Notify,
+}
+
+/// A client checked out of the pool; returned on drop (clients are cheap
+/// `Arc` clones).
+struct Lent {
+    pool: Arc<Pool>,
+    client: DatabaseClient,
+}
+
+impl std::ops::Deref for Lent {
+    type Target = DatabaseClient;
+    fn deref(&self) -> &DatabaseClient {
+        &self.client
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.pool.free.lock() {
+            free.push(self.client.clone());
+            self.pool.ready.notify_one();
+        }
+    }
+}
+
+impl Pool {
+    async fn get(self: &Arc<Self>) -> StoreResult<Lent> {
+        loop {
+            if let Some(c) = self.free.lock().ok().and_then(|mut f| f.pop()) {
+                return Ok(Lent {
+                    pool: self.clone(),
+                    client: c,
+                });
+            }
+            if self.made.fetch_add(1, Ordering::SeqCst) < self.max {
+                let c = self
+                    .spanner
+                    .database_client(self.database.clone())
+                    .build()
+                    .await
+                    .map_err(classify)?;
+                return Ok(Lent {
+                    pool: self.clone(),
+                    client: c,
+                });
+            }
+            self.made.fetch_sub(1, Ordering::SeqCst);
+            self.ready.notified().await;
+        }
+    }
+}
+
+/// The Spanner store.
+pub struct SpannerStore {
+    pool: Arc<Pool>,
+    schema: Arc<Schema>,
+    options: StoreOptions,
+    shards: u32,
+}
+
+fn shard_of(id: &str, shards: u32) -> i64 {
+    let mut h: u32 = 2_166_136_261;
+    for b in id.as_bytes() {
+        h = (h ^ u32::from(*b)).wrapping_mul(16_777_619);
+    }
+    i64::from(h % shards.max(1))
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn attrs_to_json(a: &[(String, String)]) -> String {
+    serde_json::to_string(a).unwrap_or_else(|_| "[]".to_string())
+}
+
+fn attrs_from_json(s: &str) -> Vec<(String, String)> {
+    serde_json::from_str(s).unwrap_or_default()
+}
+
+fn to_svalue(v: &Value) -> SValue {
+    match v {
+        Value::Null => SValue::null(),
+        Value::Bool(b) => SValue::from(*b),
+        Value::Int64(i) => SValue::from(*i),
+        Value::Float64(f) => SValue::from(*f),
+        Value::String(s) | Value::Json(s) => SValue::from(s.clone()),
+        Value::Bytes(b) => SValue::from(b.clone()),
+        Value::Timestamp(t) => {
+            let ts = wkt::Timestamp::new(t.div_euclid(1_000_000), (t.rem_euclid(1_000_000) * 1000) as i32).unwrap_or_default();
+            SValue::from(ts)
+        }
+    }
+}
+
+fn spanner_type(ty: ColumnType) -> google_cloud_spanner::types::Type {
+    use google_cloud_spanner::types;
+    match ty {
+        ColumnType::Bool => types::bool(),
+        ColumnType::Int64 => types::int64(),
+        ColumnType::Float64 => types::float64(),
+        ColumnType::String => types::string(),
+        ColumnType::Bytes => types::bytes(),
+        ColumnType::Json => types::json(),
+        ColumnType::Timestamp => types::timestamp(),
+    }
+}
+
+fn read_value(table: &str, col: &ColumnSchema, row: &google_cloud_spanner::result::Row, i: usize) -> StoreResult<Value> {
+    let bad = |e: google_cloud_spanner::Error| StoreError::Permanent(format!("table {table}: column {}: {e}", col.name));
+    Ok(match col.ty {
+        ColumnType::Bool => row.get::<Option<bool>>(i).map_err(bad)?.map_or(Value::Null, Value::Bool),
+        ColumnType::Int64 => row.get::<Option<i64>>(i).map_err(bad)?.map_or(Value::Null, Value::Int64),
+        ColumnType::Float64 => row.get::<Option<f64>>(i).map_err(bad)?.map_or(Value::Null, Value::Float64),
+        ColumnType::String => row.get::<Option<String>>(i).map_err(bad)?.map_or(Value::Null, Value::String),
+        ColumnType::Bytes => row.get::<Option<Vec<u8>>>(i).map_err(bad)?.map_or(Value::Null, Value::Bytes),
+        ColumnType::Json => row
+            .get::<Option<serde_json::Value>>(i)
+            .map_err(bad)?
+            .map_or(Value::Null, |j| Value::Json(j.to_string())),
+        ColumnType::Timestamp => row.get::<Option<wkt::Timestamp>>(i).map_err(bad)?.map_or(Value::Null, |t| {
+            Value::Timestamp(t.seconds() * 1_000_000 + i64::from(t.nanos()) / 1000)
+        }),
+    })
+}
+
+fn quote(ident: &str) -> String {
+    format!("`{}`", ident.replace('`', ""))
+}
+
+fn select_stmt(table: &TableSchema, key: &[Value], limit: Option<usize>) -> Statement {
+    let cols: Vec<String> = table.columns.iter().map(|c| quote(&c.name)).collect();
+    let keys: Vec<&ColumnSchema> = table.key_columns().collect();
+    let mut sql = format!("SELECT {} FROM {}", cols.join(", "), quote(&table.name));
+    if !key.is_empty() {
+        let conds: Vec<String> = keys
+            .iter()
+            .take(key.len())
+            .enumerate()
+            .map(|(i, k)| format!("{} = @k{i}", quote(&k.name)))
+            .collect();
+        sql.push_str(&format!(" WHERE {}", conds.join(" AND ")));
+    }
+    if let Some(n) = limit {
+        sql.push_str(&format!(
+            " ORDER BY {} LIMIT {n}",
+            keys.iter().map(|k| quote(&k.name)).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    let mut b = Statement::builder(sql);
+    for (i, (v, k)) in key.iter().zip(keys).enumerate() {
+        b = b.add_typed_param(format!("k{i}"), to_svalue(v), spanner_type(k.ty));
+    }
+    b.build()
+}
+
+async fn collect(table: &TableSchema, mut rs: google_cloud_spanner::result::ResultSet) -> StoreResult<Vec<Row>> {
+    let mut out = Vec::new();
+    while let Some(r) = rs.next().await {
+        let r = r.map_err(classify)?;
+        let mut row = Vec::with_capacity(table.columns.len());
+        for (i, col) in table.columns.iter().enumerate() {
+            row.push((col.name.clone(), read_value(&table.name, col, &r, i)?));
+        }
+        out.push(row);
+    }
+    Ok(out)
+}
+
+fn mutation(table: &TableSchema, w: &ValidWrite) -> Mutation {
+    if w.op == WriteOp::Delete {
+        let key: Vec<SValue> = table
+            .primary_key
+            .iter()
+            .map(|&k| w.values.get(k).cloned().flatten().map_or(SValue::null(), |v| to_svalue(&v)))
+            .collect();
+        return Mutation::delete(table.name.clone(), KeySetBuilder::new().add_key(Key::new(key)).build());
+    }
+    let mut b = match w.op {
+        WriteOp::Insert => Mutation::new_insert_builder(table.name.clone()),
+        WriteOp::Update => Mutation::new_update_builder(table.name.clone()),
+        _ => Mutation::new_insert_or_update_builder(table.name.clone()),
+    };
+    for (i, v) in w.values.iter().enumerate() {
+        if let (Some(v), Some(col)) = (v, table.columns.get(i)) {
+            b = b.set(col.name.clone()).to(to_svalue(v));
+        }
+    }
+    b.build()
+}
+
+/// Split a GoogleSQL DDL file into statements (on `;`, dropping `--`
+/// comments and blank statements).
+pub fn split_ddl(ddl: &str) -> Vec<String> {
+    let text: String = ddl
+        .lines()
+        .map(|l| l.split("--").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    text.split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// `projects/P/instances/I/databases/D` -> (P, I, D).
+pub fn parse_database(path: &str) -> anyhow::Result<(String, String, String)> {
+    let parts: Vec<&str> = path.split('/').collect();
+    match parts.as_slice() {
+        ["projects", p, "instances", i, "databases", d] if !p.is_empty() && !i.is_empty() && !d.is_empty() => {
+            Ok((p.to_string(), i.to_string(), d.to_string()))
+        }
+        _ => anyhow::bail!("Spanner database {path:?}: expected projects/PROJECT/instances/INSTANCE/databases/DATABASE"),
+    }
+}
+
+/// The REST admin endpoint: `ONCEQ_SPANNER_ADMIN_ENDPOINT` (the emulator's
+/// gateway_main), else the client's default.
+fn admin_endpoint() -> Option<String> {
+    std::env::var("ONCEQ_SPANNER_ADMIN_ENDPOINT").ok().filter(|s| !s.is_empty())
+}
+
+impl SpannerStore {
+    /// `onceq init` on Spanner: on the emulator also create the instance;
+    /// create the database with onceq's tables and the business DDL.
+    pub async fn init(opts: &SpannerOptions, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
+        use google_cloud_lro::Poller;
+        let (project, instance, database) = parse_database(&opts.database)?;
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
+        if emulator {
+            let mut b = spanner.instance_admin_builder();
+            if let Some(ep) = admin_endpoint() {
+                b = b.with_endpoint(ep);
+            }
+            let admin = b.build().await.map_err(|e| anyhow::anyhow!("instance admin: {e}"))?;
+            let created = admin
+                .create_instance()
+                .set_parent(format!("projects/{project}"))
+                .set_instance_id(instance.clone())
+                .set_instance(
+                    google_cloud_spanner_admin_instance_v1::model::Instance::new()
+                        .set_config(format!("projects/{project}/instanceConfigs/emulator-config"))
+                        .set_display_name(instance.clone())
+                        .set_node_count(1),
+                )
+                .poller()
+                .until_done()
+                .await;
+            if let Err(e) = created {
+                if !e.to_string().contains("lready exists") {
+                    anyhow::bail!("creating emulator instance {instance}: {e}");
+                }
+            }
+        }
+        let mut b = spanner.database_admin_builder();
+        if let Some(ep) = admin_endpoint() {
+            b = b.with_endpoint(ep);
+        }
+        let admin = b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))?;
+        let mut ddl = system_ddl();
+        ddl.extend(split_ddl(business_ddl));
+        admin
+            .create_database()
+            .set_parent(format!("projects/{project}/instances/{instance}"))
+            .set_create_statement(format!("CREATE DATABASE `{database}`"))
+            .set_extra_statements(ddl)
+            .poller()
+            .until_done()
+            .await
+            .map_err(|e| anyhow::anyhow!("creating database {}: {e}", opts.database))?;
+        Self::open(opts, options).await
+    }
+
+    /// Connect to an existing database.
+    pub async fn open(opts: &SpannerOptions, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let pool = Arc::new(Pool {
+            spanner,
+            database: opts.database.clone(),
+            free: Mutex::new(Vec::new()),
+            made: AtomicUsize::new(0),
+            max: opts.clients.max(1),
+            ready: tokio::sync::Notify::new(),
+        });
+        let schema = Self::load_schema(&pool)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
+        Ok(SpannerStore {
+            pool,
+            schema: Arc::new(schema),
+            options: options.clone(),
+            shards: opts.shards.max(1),
+        })
+    }
+
+    async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
+        let c = pool.get().await?;
+        let tx = c.single_use().build();
+        let mut rs = tx
+            .execute_query(
+                Statement::builder(
+                    "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE FROM INFORMATION_SCHEMA.COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_') ORDER BY TABLE_NAME, ORDINAL_POSITION",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        let mut schema = Schema::default();
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let (t, c, ty, nullable): (String, String, String, String) = (
+                r.get(0).map_err(classify)?,
+                r.get(1).map_err(classify)?,
+                r.get(2).map_err(classify)?,
+                r.get(3).map_err(classify)?,
+            );
+            let ty = column_type_from_decl(&ty)
+                .ok_or_else(|| StoreError::Permanent(format!("table {t}: column {c} has type {ty}, which onceq cannot map")))?;
+            schema
+                .tables
+                .entry(t.clone())
+                .or_insert_with(|| TableSchema {
+                    name: t.clone(),
+                    columns: vec![],
+                    primary_key: vec![],
+                })
+                .columns
+                .push(ColumnSchema {
+                    name: c,
+                    ty,
+                    nullable: nullable == "YES",
+                });
+        }
+        let tx = c.single_use().build();
+        let mut rs = tx
+            .execute_query(
+                Statement::builder(
+                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.INDEX_COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND INDEX_TYPE = 'PRIMARY_KEY' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_')
+                 ORDER BY TABLE_NAME, ORDINAL_POSITION",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let (t, c): (String, String) = (r.get(0).map_err(classify)?, r.get(1).map_err(classify)?);
+            if let Some(table) = schema.tables.get_mut(&t) {
+                if let Some(i) = table.columns.iter().position(|col| col.name == c) {
+                    table.primary_key.push(i);
+                    if let Some(col) = table.columns.get_mut(i) {
+                        col.nullable = false;
+                    }
+                }
+            }
+        }
+        Ok(schema)
+    }
+
+    /// Run `work` in a read-write transaction on a pooled client. `work` is
+    /// called again when Spanner aborts the transaction; each call returns a
+    /// future that owns what it needs.
+    async fn rw<T, F, Fut>(&self, work: F) -> StoreResult<T>
+    where
+        F: FnMut(RwTx) -> Fut + Send,
+        Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
+        T: Send,
+    {
+        let c = self.pool.get().await?;
+        run_rw(&c, work).await
+    }
+}
+
+/// Run a read-write transaction with an ordinary closure returning an owned
+/// future (which is an `AsyncFnMut` through the standard library's blanket
+/// impl, without the lifetime trouble of borrowing async closures).
+async fn run_rw<T, F, Fut>(client: &DatabaseClient, mut work: F) -> StoreResult<T>
+where
+    F: FnMut(RwTx) -> Fut + Send,
+    Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
+    T: Send,
+{
+    client
+        .read_write_transaction()
+        .build()
+        .run(move |tx: RwTx| work(tx))
+        .await
+        .map(|r| r.into_inner())
+        .map_err(classify)
+}
+
+/// Map `OUT_OF_RANGE` from an `ASSERT_ROWS_MODIFIED 1` on a lease to
+/// `LeaseLost`.
+fn lease_error(e: StoreError, lease: &Lease) -> StoreError {
+    match e {
+        StoreError::Permanent(m) if m.starts_with("assertion failed") => StoreError::LeaseLost {
+            message_id: lease.message_id.clone(),
+        },
+        other => other,
+    }
+}
+
+/// A row of `THEN RETURN shard, id, payload, attributes, attempt,
+/// enqueued_at, visible_at`.
+fn message_from_row(queue: &str, token: &str, r: &google_cloud_spanner::result::Row) -> StoreResult<LeasedMessage> {
+    let shard: i64 = r.get(0).map_err(classify)?;
+    let id: String = r.get(1).map_err(classify)?;
+    let attributes: String = r.get(3).map_err(classify)?;
+    let attempt: i64 = r.get(4).map_err(classify)?;
+    Ok(LeasedMessage {
+        message: Message {
+            id: id.clone(),
+            queue: queue.to_string(),
+            payload: r.get(2).map_err(classify)?,
+            attributes: attrs_from_json(&attributes),
+            attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+            enqueued_at: r.get(5).map_err(classify)?,
+        },
+        lease: Lease {
+            queue: queue.to_string(),
+            message_id: format!("{shard}/{id}"),
+            token: token.to_string(),
+        },
+        lease_until: r.get(6).map_err(classify)?,
+    })
+}
+
+/// Lease message ids carry their shard: `"{shard}/{id}"`.
+fn split_lease_id(lease: &Lease) -> (i64, String) {
+    match lease.message_id.split_once('/') {
+        Some((s, id)) => (s.parse().unwrap_or(0), id.to_string()),
+        None => (0, lease.message_id.clone()),
+    }
+}
+
+/// The message id as handlers see it.
+pub fn message_id(lease: &Lease) -> String {
+    split_lease_id(lease).1
+}
+
+async fn send_in(
+    tx: &google_cloud_spanner::transaction::ReadWriteTransaction,
+    p: &SendParams,
+    shards: u32,
+    window: Duration,
+) -> google_cloud_spanner::Result<SendOutcome> {
+    if let Some(key) = &p.dedup_key {
+        let mut rs = tx
+            .execute_query(
+                Statement::builder(format!(
+                    "SELECT message_id FROM onceq_dedup WHERE queue = @q AND dedup_key = @k AND expires_at > {NOW}"
+                ))
+                .add_param("q", p.queue.clone())
+                .add_param("k", key.clone())
+                .build(),
+            )
+            .await?;
+        if let Some(r) = rs.next().await {
+            let existing_id: String = r?.get(0)?;
+            return Ok(SendOutcome::Duplicate { existing_id });
+        }
+    }
+    let id = random_id();
+    tx.execute_update(
+        Statement::builder(format!(
+            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+             VALUES (@s, @id, @q, @p, @a, 0, {NOW}, {NOW} + @d)"
+        ))
+        .add_param("s", shard_of(&id, shards))
+        .add_param("id", id.clone())
+        .add_param("q", p.queue.clone())
+        .add_param("p", p.payload.clone())
+        .add_param("a", attrs_to_json(&p.attributes))
+        .add_param("d", micros(p.delay))
+        .build(),
+    )
+    .await?;
+    if let Some(key) = &p.dedup_key {
+        tx.execute_update(
+            Statement::builder(format!(
+                "INSERT OR UPDATE INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (@q, @k, @id, {NOW} + @w)"
+            ))
+            .add_param("q", p.queue.clone())
+            .add_param("k", key.clone())
+            .add_param("id", id.clone())
+            .add_param("w", micros(window))
+            .build(),
+        )
+        .await?;
+    }
+    Ok(SendOutcome::Sent { id })
+}
+
+impl SpannerStore {
+    /// `UPDATE onceq_messages SET <set> WHERE <lease>`: exactly one row, or
+    /// `LeaseLost`.
+    async fn guarded_update(&self, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
+        let (shard, id) = split_lease_id(lease);
+        let sql = format!("UPDATE onceq_messages SET {set} WHERE shard = @s AND id = @id AND lease_token = @t");
+        let token = lease.token.clone();
+        let id2 = id.clone();
+        let count = self
+            .rw(move |tx| {
+                let mut b = Statement::builder(sql.clone())
+                    .add_param("s", shard)
+                    .add_param("id", id2.clone())
+                    .add_param("t", token.clone())
+                    .add_param("n", n);
+                if let Some(t) = &text {
+                    b = b.add_param("x", t.clone());
+                }
+                let stmt = b.build();
+                async move { tx.execute_update(stmt).await }
+            })
+            .await?;
+        if count == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost { message_id: id })
+        }
+    }
+
+    async fn query_rows(&self, stmt: Statement, table: &TableSchema) -> StoreResult<Vec<Row>> {
+        let c = self.pool.get().await?;
+        let rs = c.single_use().build().execute_query(stmt).await.map_err(classify)?;
+        collect(table, rs).await
+    }
+
+    /// A pseudo-schema for onceq's own tables, to reuse the typed reader.
+    fn system_table(name: &str, cols: &[(&str, ColumnType)]) -> TableSchema {
+        TableSchema {
+            name: name.into(),
+            columns: cols
+                .iter()
+                .map(|(n, t)| ColumnSchema {
+                    name: n.to_string(),
+                    ty: *t,
+                    nullable: true,
+                })
+                .collect(),
+            primary_key: vec![0],
+        }
+    }
+}
+
+fn dead_letter_table() -> TableSchema {
+    use ColumnType::*;
+    SpannerStore::system_table(
+        "onceq_dead_letters",
+        &[
+            ("id", String),
+            ("queue", String),
+            ("payload", Bytes),
+            ("attributes", String),
+            ("attempts", Int64),
+            ("enqueued_at", Int64),
+            ("failed_at", Int64),
+            ("reason", String),
+            ("handler_version", String),
+        ],
+    )
+}
+
+fn dead_letter_from(row: Row) -> DeadLetter {
+    let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
+    let s = |i: usize| match get(i) {
+        Value::String(s) => s,
+        _ => std::string::String::new(),
+    };
+    let n = |i: usize| match get(i) {
+        Value::Int64(n) => n,
+        _ => 0,
+    };
+    let payload = match get(2) {
+        Value::Bytes(b) => b,
+        _ => vec![],
+    };
+    DeadLetter {
+        id: s(0),
+        queue: s(1),
+        payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes: attrs_from_json(&s(3)),
+        attempts: u32::try_from(n(4)).unwrap_or(0),
+        enqueued_at: n(5),
+        failed_at: n(6),
+        reason: s(7),
+        handler_version: match get(8) {
+            Value::String(v) => Some(v),
+            _ => None,
+        },
+    }
+}
+
+#[async_trait]
+impl Store for SpannerStore {
+    fn kind(&self) -> &'static str {
+        "spanner"
+    }
+
+    fn schema(&self) -> Arc<Schema> {
+        self.schema.clone()
+    }
+
+    async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
+        let (shards, window) = (self.shards, self.options.dedup_window);
+        let params = Arc::new(params);
+        self.rw(move |tx| {
+            let params = params.clone();
+            async move {
+                let mut out = Vec::with_capacity(params.len());
+                for p in params.iter() {
+                    out.push(send_in(&tx, p, shards, window).await?);
+                }
+                Ok(out)
+            }
+        })
+        .await
+    }
+
+    async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        let token = random_id();
+        // Start at a random shard (hosts spread over key ranges) and fill the
+        // batch from the following shards, oldest first within each.
+        let first = i64::from(rand::random::<u32>() % self.shards);
+        let sql = format!(
+            "UPDATE onceq_messages SET lease_token = @t, visible_at = {NOW} + @lease, attempt = attempt + 1
+             WHERE queue = @q AND visible_at <= {NOW} AND id IN (
+                 SELECT id FROM onceq_messages WHERE queue = @q AND visible_at <= {NOW}
+                 ORDER BY MOD(shard + @shards - @first, @shards), visible_at LIMIT @n)
+             THEN RETURN shard, id, payload, attributes, attempt, enqueued_at, visible_at"
+        );
+        let stmt = Statement::builder(sql)
+            .add_param("t", token.clone())
+            .add_param("lease", micros(p.lease))
+            .add_param("q", p.queue.clone())
+            .add_param("shards", i64::from(self.shards))
+            .add_param("first", first)
+            .add_param("n", p.limit as i64)
+            .build();
+        let leased = self
+            .rw(move |tx| {
+                let stmt = stmt.clone();
+                async move {
+                    let mut rs = tx.execute_query(stmt).await?;
+                    let mut rows = Vec::new();
+                    while let Some(r) = rs.next().await {
+                        rows.push(r?);
+                    }
+                    Ok(rows)
+                }
+            })
+            .await?;
+        let mut out = leased
+            .iter()
+            .map(|r| message_from_row(&p.queue, &token, r))
+            .collect::<StoreResult<Vec<_>>>()?;
+        out.sort_by_key(|m| m.message.enqueued_at);
+        Ok(out)
+    }
+
+    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
+        self.guarded_update(lease, &format!("visible_at = {NOW} + @n"), micros(duration), None)
+            .await
+    }
+
+    async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
+        self.guarded_update(
+            lease,
+            &format!("visible_at = {NOW} + @n, lease_token = NULL, attempt = GREATEST(attempt - 1, 0)"),
+            0,
+            None,
+        )
+        .await
+    }
+
+    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
+        self.guarded_update(
+            lease,
+            &format!("visible_at = {NOW} + @n, lease_token = NULL, last_error = @x"),
+            micros(delay),
+            Some(reason.to_string()),
+        )
+        .await
+    }
+
+    async fn message_dead_letter(&self, lease: &Lease, p: DeadLetterParams) -> StoreResult<()> {
+        let (shard, id) = split_lease_id(lease);
+        let clear = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
+            .add_param("id", id.clone())
+            .build();
+        let copy = Statement::builder(format!(
+            "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version)
+             SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, @r, @v FROM onceq_messages
+             WHERE shard = @s AND id = @id AND lease_token = @t"
+        ))
+        .add_param("s", shard)
+        .add_param("id", id.clone())
+        .add_param("t", lease.token.clone())
+        .add_typed_param("r", p.reason.clone(), google_cloud_spanner::types::string())
+        .add_typed_param("v", p.handler_version.clone(), google_cloud_spanner::types::string())
+        .build();
+        let delete =
+            Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
+                .add_param("s", shard)
+                .add_param("id", id)
+                .add_param("t", lease.token.clone())
+                .build();
+        self.rw(move |tx| {
+            let (clear, copy, delete) = (clear.clone(), copy.clone(), delete.clone());
+            async move {
+                tx.execute_update(clear).await?;
+                tx.execute_update(copy).await?;
+                tx.execute_update(delete).await
+            }
+        })
+        .await
+        .map(|_| ())
+        .map_err(|e| lease_error(e, lease))
+    }
+
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
+        Ok(Box::new(SpannerTransaction {
+            pool: self.pool.clone(),
+            shards: self.shards,
+            window: self.options.dedup_window,
+            snapshot: None,
+            reads: Vec::new(),
+            writes: Vec::new(),
+            enqueues: Vec::new(),
+            intents: Vec::new(),
+            ack: None,
+            schema: self.schema.clone(),
+        }))
+    }
+
+    async fn stats(&self) -> StoreResult<Stats> {
+        let c = self.pool.get().await?;
+        let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(format!(
+                    "SELECT queue, COUNTIF(visible_at <= {NOW}), COUNTIF(visible_at > {NOW} AND lease_token IS NOT NULL),
+                        COUNTIF(visible_at > {NOW} AND lease_token IS NULL),
+                        MIN(IF(visible_at > {NOW} AND lease_token IS NULL, DIV(visible_at - {NOW}, 1000), NULL))
+                 FROM onceq_messages GROUP BY queue"
+                ))
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let q: String = r.get(0).map_err(classify)?;
+            let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats {
+                queue: q,
+                ..Default::default()
+            });
+            e.ready = r.get::<i64>(1).map_err(classify)? as u64;
+            e.leased = r.get::<i64>(2).map_err(classify)? as u64;
+            e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
+            e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
+        }
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(Statement::builder("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue").build())
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let q: String = r.get(0).map_err(classify)?;
+            by_queue
+                .entry(q.clone())
+                .or_insert_with(|| QueueStats {
+                    queue: q,
+                    ..Default::default()
+                })
+                .dead = r.get::<i64>(1).map_err(classify)? as u64;
+        }
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(Statement::builder("SELECT COUNT(*) FROM onceq_outbox WHERE delivered_at IS NULL").build())
+            .await
+            .map_err(classify)?;
+        let mut outbox_pending = 0;
+        if let Some(r) = rs.next().await {
+            outbox_pending = r.map_err(classify)?.get::<i64>(0).map_err(classify)? as u64;
+        }
+        Ok(Stats {
+            queues: by_queue.into_values().collect(),
+            outbox_pending,
+        })
+    }
+
+    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        let t = dead_letter_table();
+        let stmt = Statement::builder(
+            "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version FROM onceq_dead_letters
+             WHERE @q IS NULL OR queue = @q ORDER BY failed_at DESC, id LIMIT @n",
+        )
+        .add_typed_param("q", queue.map(str::to_string), google_cloud_spanner::types::string())
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self.query_rows(stmt, &t).await?.into_iter().map(dead_letter_from).collect())
+    }
+
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
+        let t = dead_letter_table();
+        let stmt = Statement::builder(
+            "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version FROM onceq_dead_letters WHERE id = @id",
+        )
+        .add_param("id", id.to_string())
+        .build();
+        Ok(self.query_rows(stmt, &t).await?.into_iter().next().map(dead_letter_from))
+    }
+
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        let shard = shard_of(id, self.shards);
+        let copy = Statement::builder(format!(
+            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+             SELECT @s, id, queue, payload, attributes, 0, enqueued_at, {NOW} FROM onceq_dead_letters WHERE id = @id"
+        ))
+        .add_param("s", shard)
+        .add_param("id", id.to_string())
+        .build();
+        let delete = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
+            .add_param("id", id.to_string())
+            .build();
+        let id = id.to_string();
+        self.rw(move |tx| {
+            let (copy, delete, id) = (copy.clone(), delete.clone(), id.clone());
+            async move {
+                if tx.execute_update(copy).await? == 0 {
+                    return Ok(None);
+                }
+                tx.execute_update(delete).await?;
+                Ok(Some(id))
+            }
+        })
+        .await
+    }
+
+    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
+        use ColumnType::*;
+        let t = Self::system_table(
+            "onceq_outbox",
+            &[
+                ("id", String),
+                ("connector", String),
+                ("idempotency_key", String),
+                ("payload", Bytes),
+                ("source_queue", String),
+                ("source_message_id", String),
+                ("created_at", Int64),
+            ],
+        );
+        let stmt = Statement::builder(
+            "SELECT id, connector, idempotency_key, payload, source_queue, source_message_id, created_at FROM onceq_outbox
+             WHERE delivered_at IS NULL ORDER BY created_at, id LIMIT @n",
+        )
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        let rows = self.query_rows(stmt, &t).await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                let s = |i: usize| match r.get(i).map(|(_, v)| v) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Bytes(b)) => std::string::String::from_utf8_lossy(b).into_owned(),
+                    _ => std::string::String::new(),
+                };
+                OutboxIntent {
+                    id: s(0),
+                    connector: s(1),
+                    idempotency_key: s(2),
+                    payload_text: s(3),
+                    source_queue: s(4),
+                    source_message_id: s(5),
+                    created_at: match r.get(6).map(|(_, v)| v) {
+                        Some(Value::Int64(n)) => *n,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
+        let t = self.schema.table(table).map_err(StoreError::Permanent)?.clone();
+        self.query_rows(select_stmt(&t, &[], Some(usize::MAX >> 2)), &t).await
+    }
+
+    async fn dedup_purge(&self) -> StoreResult<u64> {
+        let n = self
+            .rw(|tx| async move {
+                tx.execute_update(Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build())
+                    .await
+            })
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+}
+
+/// What a message transaction commits, owned, so the commit closure can be
+/// re-run by the client on `ABORTED`.
+struct CommitData {
+    reads: Vec<ReadRecord>,
+    intents: Vec<IntentParams>,
+    enqueues: Vec<SendParams>,
+    ack: Option<Lease>,
+    mutations: Vec<Mutation>,
+    shards: u32,
+    window: Duration,
+}
+
+impl CommitData {
+    /// Validate the reads, then ack, then apply. Returns `Ok(false)` (and
+    /// writes nothing) if a read changed.
+    async fn apply(&self, tx: &RwTx) -> google_cloud_spanner::Result<bool> {
+        for read in &self.reads {
+            let unchanged = match read {
+                ReadRecord::Get { table, key, result } => match collect(table, rows_in(tx, table, key, None).await?).await {
+                    Ok(rows) => match (rows.first(), result) {
+                        (None, None) => true,
+                        (Some(a), Some(b)) => rows_same(a, b),
+                        _ => false,
+                    },
+                    Err(_) => false,
+                },
+                ReadRecord::Scan {
+                    table,
+                    prefix,
+                    limit,
+                    result,
+                } => match collect(table, rows_in(tx, table, prefix, Some(*limit)).await?).await {
+                    Ok(now) => now.len() == result.len() && now.iter().zip(result).all(|(a, b)| rows_same(a, b)),
+                    Err(_) => false,
+                },
+            };
+            if !unchanged {
+                return Ok(false);
+            }
+        }
+        if let Some(lease) = &self.ack {
+            let (shard, id) = split_lease_id(lease);
+            // Fails with OUT_OF_RANGE if the lease is lost or the message was
+            // already acked; the error leaves the closure and the client
+            // rolls everything back.
+            tx.execute_update(
+                Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
+                    .add_param("s", shard)
+                    .add_param("id", id)
+                    .add_param("t", lease.token.clone())
+                    .build(),
+            )
+            .await?;
+        }
+        for i in &self.intents {
+            tx.execute_update(
+                Statement::builder(format!(
+                    "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at, attempt)
+                     SELECT @id, @c, @k, @p, @m, @q, @src, {NOW}, {NOW}, 0 FROM UNNEST([1])
+                     WHERE NOT EXISTS (SELECT 1 FROM onceq_outbox WHERE connector = @c AND idempotency_key = @k)"
+                ))
+                .add_typed_param("id", random_id(), google_cloud_spanner::types::string())
+                .add_typed_param("c", i.connector.clone(), google_cloud_spanner::types::string())
+                .add_typed_param("k", i.idempotency_key.clone(), google_cloud_spanner::types::string())
+                .add_typed_param("p", i.payload.clone(), google_cloud_spanner::types::bytes())
+                .add_typed_param("m", attrs_to_json(&i.metadata), google_cloud_spanner::types::string())
+                .add_typed_param("q", i.source_queue.clone(), google_cloud_spanner::types::string())
+                .add_typed_param("src", i.source_message_id.clone(), google_cloud_spanner::types::string())
+                .build(),
+            )
+            .await?;
+        }
+        for e in &self.enqueues {
+            send_in(tx, e, self.shards, self.window).await?;
+        }
+        tx.buffer(self.mutations.clone())?;
+        Ok(true)
+    }
+}
+
+enum ReadRecord {
+    Get {
+        table: TableSchema,
+        key: Vec<Value>,
+        result: Option<Row>,
+    },
+    Scan {
+        table: TableSchema,
+        prefix: Vec<Value>,
+        limit: usize,
+        result: Vec<Row>,
+    },
+}
+
+struct SpannerTransaction {
+    pool: Arc<Pool>,
+    schema: Arc<Schema>,
+    shards: u32,
+    window: Duration,
+    /// The read-only snapshot serving the handler's reads, with its client.
+    snapshot: Option<(Lent, google_cloud_spanner::transaction::MultiUseReadOnlyTransaction)>,
+    reads: Vec<ReadRecord>,
+    writes: Vec<ValidWrite>,
+    enqueues: Vec<SendParams>,
+    intents: Vec<IntentParams>,
+    ack: Option<Lease>,
+}
+
+impl SpannerTransaction {
+    async fn snapshot(&mut self) -> StoreResult<&google_cloud_spanner::transaction::MultiUseReadOnlyTransaction> {
+        if self.snapshot.is_none() {
+            let c = self.pool.get().await?;
+            let ro = c.read_only_transaction().build().await.map_err(classify)?;
+            self.snapshot = Some((c, ro));
+        }
+        match &self.snapshot {
+            Some((_, ro)) => Ok(ro),
+            None => Err(StoreError::Permanent("snapshot missing".into())),
+        }
+    }
+}
+
+async fn rows_in(
+    tx: &google_cloud_spanner::transaction::ReadWriteTransaction,
+    table: &TableSchema,
+    key: &[Value],
+    limit: Option<usize>,
+) -> google_cloud_spanner::Result<google_cloud_spanner::result::ResultSet> {
+    tx.execute_query(select_stmt(table, key, limit)).await
+}
+
+#[async_trait]
+impl Transaction for SpannerTransaction {
+    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        let rs = self
+            .snapshot()
+            .await?
+            .execute_query(select_stmt(table, key, None))
+            .await
+            .map_err(classify)?;
+        let result = collect(table, rs).await?.into_iter().next();
+        self.reads.push(ReadRecord::Get {
+            table: table.clone(),
+            key: key.to_vec(),
+            result: result.clone(),
+        });
+        Ok(result)
+    }
+
+    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        let limit = limit.min(crate::store::sqlite::MAX_SCAN_ROWS);
+        let rs = self
+            .snapshot()
+            .await?
+            .execute_query(select_stmt(table, prefix, Some(limit)))
+            .await
+            .map_err(classify)?;
+        let result = collect(table, rs).await?;
+        self.reads.push(ReadRecord::Scan {
+            table: table.clone(),
+            prefix: prefix.to_vec(),
+            limit,
+            result: result.clone(),
+        });
+        Ok(result)
+    }
+
+    fn row_write(&mut self, write: ValidWrite) {
+        self.writes.push(write);
+    }
+
+    fn message_enqueue(&mut self, params: SendParams) {
+        self.enqueues.push(params);
+    }
+
+    fn intent_insert(&mut self, params: IntentParams) {
+        self.intents.push(params);
+    }
+
+    fn message_ack(&mut self, lease: &Lease) {
+        self.ack = Some(lease.clone());
+    }
+
+    async fn commit(mut self: Box<Self>) -> StoreResult<()> {
+        // The snapshot's client serves the commit (one client per operation
+        // on the emulator).
+        let client = match self.snapshot.take() {
+            Some((c, _ro)) => c,
+            None => self.pool.get().await?,
+        };
+        let mut mutations = Vec::new();
+        for w in &self.writes {
+            let t = self.schema.table(&w.table).map_err(StoreError::Permanent)?;
+            mutations.push(mutation(t, w));
+        }
+        let ack = self.ack.clone();
+        let data = Arc::new(CommitData {
+            reads: std::mem::take(&mut self.reads),
+            intents: std::mem::take(&mut self.intents),
+            enqueues: std::mem::take(&mut self.enqueues),
+            ack: self.ack.take(),
+            mutations,
+            shards: self.shards,
+            window: self.window,
+        });
+        let result = run_rw(&client, move |tx| {
+            let d = data.clone();
+            async move { d.apply(&tx).await }
+        })
+        .await;
+        match (result, &ack) {
+            (Ok(true), _) => Ok(()),
+            (Ok(false), _) => Err(StoreError::Aborted("a row read by the handler changed before commit".into())),
+            (Err(e), Some(lease)) => Err(lease_error(e, lease)),
+            (Err(e), None) => Err(e),
+        }
+    }
+
+    async fn rollback(self: Box<Self>) {}
+}

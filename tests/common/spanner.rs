@@ -1,0 +1,31 @@
+//! A database on the Cloud Spanner emulator for each test. The emulator is
+//! started by `tests/with-spanner-emulator.sh` (which `make test` uses), on
+//! free ports, and stopped by pid afterwards.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use onceq::store::spanner::{SpannerOptions, SpannerStore};
+use onceq::store::{Store, StoreOptions};
+use std::sync::Arc;
+
+pub const PROJECT: &str = "onceq";
+pub const INSTANCE: &str = "onceq-test";
+
+/// A fresh database with `ddl` (GoogleSQL), on the running emulator.
+pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, String) {
+    assert!(
+        std::env::var("SPANNER_EMULATOR_HOST").is_ok(),
+        "SPANNER_EMULATOR_HOST is not set: run the Spanner tests through `make test` \
+         (or tests/with-spanner-emulator.sh cargo test), which starts the emulator"
+    );
+    let name = format!("t{:x}", rand::random::<u64>());
+    let database = format!("projects/{PROJECT}/instances/{INSTANCE}/databases/{name}");
+    let opts = SpannerOptions {
+        database: database.clone(),
+        shards: 4,
+        clients: 4,
+    };
+    let store = SpannerStore::init(&opts, ddl, &options)
+        .await
+        .expect("create the emulator database");
+    (Arc::new(store), database)
+}

@@ -1,0 +1,78 @@
+//! The store conformance suite (tests/common/conformance.rs), unchanged,
+//! against the Spanner store on the Cloud Spanner emulator.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::conformance as suite;
+use common::spanner::spanner_db;
+use onceq::store::StoreOptions;
+use std::time::Duration;
+
+pub const SCHEMA_SPANNER: &str = "
+CREATE TABLE typed (id STRING(MAX) NOT NULL, b BOOL, i INT64, f FLOAT64, s STRING(MAX), `by` BYTES(MAX), j JSON, t TIMESTAMP) PRIMARY KEY (id);
+CREATE TABLE pairs (a STRING(MAX) NOT NULL, n INT64 NOT NULL, v STRING(MAX)) PRIMARY KEY (a, n);
+";
+
+async fn db() -> std::sync::Arc<dyn onceq::store::Store> {
+    spanner_db(SCHEMA_SPANNER, StoreOptions::default()).await.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_lease_and_ack() {
+    suite::lease_and_ack(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_expiry_and_token_fencing() {
+    suite::expiry_and_token_fencing(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_renew_keeps_the_lease() {
+    suite::renew_keeps_the_lease(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_retry_later_and_release() {
+    suite::retry_later_and_release(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_dead_letter_and_replay() {
+    suite::dead_letter_and_replay(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_dedup_window() {
+    let window = Duration::from_millis(500);
+    let (store, _) = spanner_db(
+        SCHEMA_SPANNER,
+        StoreOptions {
+            dedup_window: window,
+            ..Default::default()
+        },
+    )
+    .await;
+    suite::dedup_window(store, window).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_delayed_messages_in_due_order() {
+    suite::delayed_messages_become_visible_in_due_order(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_typed_values_round_trip() {
+    suite::typed_values_round_trip(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_writes_scans_and_atomicity() {
+    suite::writes_scans_and_atomicity(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_outbox_intents() {
+    suite::outbox_intents(db().await).await
+}
