@@ -76,3 +76,38 @@ async fn spanner_writes_scans_and_atomicity() {
 async fn spanner_outbox_intents() {
     suite::outbox_intents(db().await).await
 }
+
+// ---- the exactly-once protocol on Spanner ----
+
+use common::*;
+use onceq::runtime::HandlerLimits;
+use onceq::store::faulty::{FaultPlan, FaultyStore};
+use onceq::store::Store;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+const ACCOUNTS: usize = 10;
+const BALANCE: i64 = 1_000_000;
+
+async fn payments_db() -> Arc<dyn Store> {
+    let (store, _) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
+    seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_payments_exactly_once_under_unknown_commit_outcomes() {
+    let base = payments_db().await;
+    let n = 120;
+    send_orders(base.as_ref(), n, ACCOUNTS).await;
+    let (faulty, counts) = FaultyStore::new(base.clone(), FaultPlan { after_commit: 0.2, before_commit: 0.1, seed: 11, ..Default::default() });
+    let store: Arc<dyn Store> = Arc::new(faulty);
+    let rt = runtime();
+    let handler = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
+    let r = runner(&store, "payments", handler, grants(&["accounts", "orders"], &[], &["charge"]), policy(2, 5));
+    drain(&store, std::slice::from_ref(&r)).await;
+    assert!(counts.after_commit.load(Relaxed) > 5 && counts.before_commit.load(Relaxed) > 2, "faults injected");
+    check_payments_exactly_once(base.as_ref(), n, ACCOUNTS, BALANCE).await;
+    assert_eq!(r.metrics.already_committed.load(Relaxed), counts.after_commit.load(Relaxed));
+    assert_eq!(r.metrics.processed.load(Relaxed) + r.metrics.already_committed.load(Relaxed), n as u64);
+}

@@ -4,7 +4,7 @@
 use crate::config::{Config, QueueConfig};
 use crate::protocol::{self, HandleOutput, Handler, QueueRunner, QueueSpec, ReadScope};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
-use crate::store::{self, sqlite::SqliteStore, SendOutcome, SendParams, Store};
+use crate::store::{self, SendOutcome, SendParams, Store};
 use crate::value::{random_id, Effect, Message};
 use anyhow::{bail, Context};
 use std::collections::BTreeSet;
@@ -13,17 +13,13 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 /// `onceq init`: create the database with onceq's tables and the schema.
-pub fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+pub async fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     let ddl = cfg.schema_ddl()?;
-    let path = cfg
-        .store
-        .strip_prefix("sqlite://")
-        .with_context(|| format!("unsupported store URL {:?}: expected sqlite://PATH", cfg.store))?;
-    Ok(Arc::new(SqliteStore::init(Path::new(path), &ddl, &cfg.store_options)?))
+    store::init(&cfg.store, &ddl, &cfg.store_options).await
 }
 
-pub fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
-    store::open(&cfg.store, &cfg.store_options)
+pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    store::open(&cfg.store, &cfg.store_options).await
 }
 
 /// Check a queue's grants against the database schema.
@@ -93,7 +89,7 @@ pub async fn shutdown_signal() {
 
 /// `onceq run`: serve until a signal (or until empty).
 pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
-    let store = open_store(cfg)?;
+    let store = open_store(cfg).await?;
     let runtime = Runtime::new(cfg.runtime.clone())?;
     let runners = build_runners(cfg, &store, &runtime)?;
     let (tx, _rx) = watch::channel(false);
@@ -179,7 +175,7 @@ pub struct TryReport {
 /// check the effects as the protocol would, and roll back. Nothing is
 /// committed.
 pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: Vec<u8>, id: Option<String>) -> anyhow::Result<TryReport> {
-    let store = open_store(cfg)?;
+    let store = open_store(cfg).await?;
     let (grants, limits, effect_limits) = match cfg.queue(queue) {
         Ok(q) => (q.grants.clone(), q.limits, q.effect_limits),
         Err(_) => {

@@ -27,6 +27,13 @@ struct RawSqlite {
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+struct RawSpanner {
+    shards: Option<u32>,
+    clients: Option<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct RawRuntime {
     max_instances: Option<u32>,
     max_memory: Option<String>,
@@ -79,6 +86,8 @@ struct RawConfig {
     dedup_window: Option<String>,
     #[serde(default)]
     sqlite: RawSqlite,
+    #[serde(default)]
+    spanner: RawSpanner,
     #[serde(default)]
     runtime: RawRuntime,
     #[serde(default)]
@@ -170,6 +179,15 @@ impl Config {
                 bail!("sqlite.synchronous must be \"full\", \"normal\" or \"off\", got {s:?}");
             }
             store_options.sqlite_synchronous = s.clone();
+        }
+        if let Some(n) = raw.spanner.shards {
+            if n == 0 {
+                bail!("spanner.shards must be at least 1");
+            }
+            store_options.spanner_shards = n;
+        }
+        if let Some(n) = raw.spanner.clients {
+            store_options.spanner_clients = n.max(1);
         }
         let mut runtime = RuntimeConfig::default();
         if let Some(n) = raw.runtime.max_instances {

@@ -228,7 +228,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         "onceq demo: {} messages, payments + inventory handlers, SQLite (synchronous={})",
         args.messages, args.synchronous
     );
-    let base = app::init(&cfg)?;
+    let base = app::init(&cfg).await?;
     seed(base.as_ref()).await?;
     let (msgs, expected) = generate(args.messages, args.seed);
     app::send_many(base.as_ref(), msgs, 1000).await?;

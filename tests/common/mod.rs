@@ -184,3 +184,51 @@ pub fn order(id: usize, account: usize, amount: i64) -> String {
 pub fn chaos(action: &str) -> String {
     serde_json::json!({ "do": action }).to_string()
 }
+
+pub const PAYMENTS_SPANNER_SQL: &str = include_str!("../../guest-examples/payments/schema.spanner.sql");
+
+fn int_col(row: &Row, name: &str) -> i64 {
+    match col(row, name) {
+        Value::Int64(i) => *i,
+        other => panic!("column {name}: expected int64, got {other:?}"),
+    }
+}
+
+fn str_col<'a>(row: &'a Row, name: &str) -> &'a str {
+    match col(row, name) {
+        Value::String(s) => s,
+        other => panic!("column {name}: expected string, got {other:?}"),
+    }
+}
+
+/// The payments invariants through the `Store` trait (any backend): the
+/// queue drained, each order row exactly once, money conserved, one charge
+/// intent per charged order, keyed by its order id.
+pub async fn check_payments_exactly_once(store: &dyn Store, n: usize, accounts: usize, balance: i64) {
+    let stats = store.stats().await.unwrap();
+    let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
+    assert_eq!(left, 0, "queue drained: {stats:?}");
+    assert_eq!(stats.queues.iter().map(|q| q.dead).sum::<u64>(), 0, "nothing dead-lettered");
+    let orders = store.table_rows("orders").await.unwrap();
+    assert_eq!(orders.len(), n, "each order row exactly once");
+    let charged: Vec<&Row> = orders.iter().filter(|r| str_col(r, "status") == "charged").collect();
+    let charged_sum: i64 = charged.iter().map(|r| int_col(r, "amount")).sum();
+    let balances: i64 = store.table_rows("accounts").await.unwrap().iter().map(|r| int_col(r, "balance")).sum();
+    assert_eq!(balances + charged_sum, accounts as i64 * balance, "every debit applied exactly once");
+    let intents = store.outbox_list(usize::MAX >> 2).await.unwrap();
+    assert_eq!(intents.len(), charged.len(), "one charge intent per charged order");
+    let keys: std::collections::BTreeSet<String> = intents.iter().map(|i| i.idempotency_key.clone()).collect();
+    for r in &charged {
+        assert!(keys.contains(&format!("charge-{}", str_col(r, "id"))), "intent keyed by order {}", str_col(r, "id"));
+    }
+}
+
+/// Send `n` payment orders over `accounts` accounts.
+pub async fn send_orders(store: &dyn Store, n: usize, accounts: usize) {
+    let msgs: Vec<SendParams> = (0..n)
+        .map(|i| SendParams { queue: "payments".into(), payload: order(i, i % accounts, 1 + (i as i64 % 50)).into_bytes(), ..Default::default() })
+        .collect();
+    for chunk in msgs.chunks(200) {
+        store.message_send(chunk.to_vec()).await.unwrap();
+    }
+}

@@ -179,7 +179,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     let cfg = Config::load(&cli.config)?;
     match cli.command {
         Command::Init => {
-            let store = app::init(&cfg)?;
+            let store = app::init(&cfg).await?;
             let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
             println!(
                 "initialized {} (business tables: {})",
@@ -196,7 +196,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             delay,
             attributes,
         } => {
-            let store = app::open_store(&cfg)?;
+            let store = app::open_store(&cfg).await?;
             let delay = match delay {
                 Some(d) => parse_duration("--delay", &d)?,
                 None => Default::default(),
@@ -258,7 +258,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Stats { json } => {
-            let store = app::open_store(&cfg)?;
+            let store = app::open_store(&cfg).await?;
             let stats = store.stats().await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&stats)?);
@@ -271,7 +271,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Dlq { command } => {
-            let store = app::open_store(&cfg)?;
+            let store = app::open_store(&cfg).await?;
             match command {
                 DlqCommand::List { queue, limit, json } => {
                     let list = store.dead_letter_list(queue.as_deref(), limit).await?;

@@ -268,15 +268,42 @@ pub trait Transaction: Send {
     async fn rollback(self: Box<Self>);
 }
 
-/// Open a store from a URL (`sqlite://path` or a plain path).
-pub fn open(url: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
-    if let Some(path) = url.strip_prefix("sqlite://") {
-        Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), options)?))
-    } else if url.contains("://") {
-        anyhow::bail!("unsupported store URL {url:?}: expected sqlite://PATH")
-    } else {
-        Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(url), options)?))
+/// Which backend a store URL names.
+pub enum StoreUrl {
+    Sqlite(std::path::PathBuf),
+    /// `projects/P/instances/I/databases/D`
+    Spanner(String),
+}
+
+impl StoreUrl {
+    pub fn parse(url: &str) -> anyhow::Result<StoreUrl> {
+        if let Some(path) = url.strip_prefix("sqlite://") {
+            Ok(StoreUrl::Sqlite(path.into()))
+        } else if let Some(db) = url.strip_prefix("spanner://") {
+            spanner::parse_database(db)?;
+            Ok(StoreUrl::Spanner(db.to_string()))
+        } else if url.contains("://") {
+            anyhow::bail!("unsupported store URL {url:?}: expected sqlite://PATH or spanner://projects/P/instances/I/databases/D")
+        } else {
+            Ok(StoreUrl::Sqlite(url.into()))
+        }
     }
+}
+
+/// Open an existing store from its URL.
+pub async fn open(url: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match StoreUrl::parse(url)? {
+        StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::open(&path, options)?),
+        StoreUrl::Spanner(db) => Arc::new(spanner::SpannerStore::open(&options.spanner(&db), options).await?),
+    })
+}
+
+/// Create a store (`onceq init`): onceq's tables plus the business DDL.
+pub async fn init(url: &str, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match StoreUrl::parse(url)? {
+        StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::init(&path, business_ddl, options)?),
+        StoreUrl::Spanner(db) => Arc::new(spanner::SpannerStore::init(&options.spanner(&db), business_ddl, options).await?),
+    })
 }
 
 /// Store settings that are not part of the URL.
@@ -286,6 +313,16 @@ pub struct StoreOptions {
     pub dedup_window: Duration,
     /// SQLite `synchronous`: "full" (fsync every commit) or "normal".
     pub sqlite_synchronous: String,
+    /// Spanner: shards per queue key range.
+    pub spanner_shards: u32,
+    /// Spanner: clients in the pool (concurrent operations).
+    pub spanner_clients: usize,
+}
+
+impl StoreOptions {
+    fn spanner(&self, database: &str) -> spanner::SpannerOptions {
+        spanner::SpannerOptions { database: database.to_string(), shards: self.spanner_shards, clients: self.spanner_clients }
+    }
 }
 
 impl Default for StoreOptions {
@@ -293,6 +330,8 @@ impl Default for StoreOptions {
         StoreOptions {
             dedup_window: Duration::from_secs(24 * 3600),
             sqlite_synchronous: "full".to_string(),
+            spanner_shards: 8,
+            spanner_clients: 16,
         }
     }
 }
