@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod conformance;
+pub mod proxy;
 pub mod spanner;
 
 pub const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
