@@ -31,6 +31,9 @@ run: guests build
 ## emulator started on free ports and stopped by pid (tests/with-spanner-emulator.sh)
 test: guests
 	tests/with-spanner-emulator.sh $(CARGO) test --release --workspace
+	@echo "== again on an emulator that aborts commits at random (--enable_fault_injection)"
+	SPANNER_EMULATOR_ARGS=--enable_fault_injection tests/with-spanner-emulator.sh \
+		$(CARGO) test --release --test spanner -- spanner_payments_exactly_once spanner_lease_and_ack spanner_writes_scans_and_atomicity
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests

@@ -28,7 +28,14 @@ async fn payments_exactly_once_with_connections_cut_mid_rpc() {
     // Every client created from now on goes through the proxy.
     std::env::set_var("SPANNER_EMULATOR_HOST", proxy.addr.to_string());
 
-    let (store, _) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions { spanner_clients: 4, ..Default::default() }).await;
+    let (store, _) = spanner_db(
+        PAYMENTS_SPANNER_SQL,
+        StoreOptions {
+            spanner_clients: 4,
+            ..Default::default()
+        },
+    )
+    .await;
     seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
     let n = 200;
     send_orders(store.as_ref(), n, ACCOUNTS).await;
@@ -57,5 +64,9 @@ async fn payments_exactly_once_with_connections_cut_mid_rpc() {
     // Google's client retries RPCs after transport failures itself, so most
     // cuts never reach the protocol as unknown outcomes; whatever reaches it
     // is resolved by re-running (tests/spanner.rs injects them at commit).
-    assert_eq!(m.processed.load(Relaxed) + m.already_committed.load(Relaxed), n as u64, "every message acked exactly once");
+    assert_eq!(
+        m.processed.load(Relaxed) + m.already_committed.load(Relaxed),
+        n as u64,
+        "every message acked exactly once"
+    );
 }

@@ -214,20 +214,38 @@ pub async fn check_payments_exactly_once(store: &dyn Store, n: usize, accounts: 
     assert_eq!(orders.len(), n, "each order row exactly once");
     let charged: Vec<&Row> = orders.iter().filter(|r| str_col(r, "status") == "charged").collect();
     let charged_sum: i64 = charged.iter().map(|r| int_col(r, "amount")).sum();
-    let balances: i64 = store.table_rows("accounts").await.unwrap().iter().map(|r| int_col(r, "balance")).sum();
-    assert_eq!(balances + charged_sum, accounts as i64 * balance, "every debit applied exactly once");
+    let balances: i64 = store
+        .table_rows("accounts")
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| int_col(r, "balance"))
+        .sum();
+    assert_eq!(
+        balances + charged_sum,
+        accounts as i64 * balance,
+        "every debit applied exactly once"
+    );
     let intents = store.outbox_list(usize::MAX >> 2).await.unwrap();
     assert_eq!(intents.len(), charged.len(), "one charge intent per charged order");
     let keys: std::collections::BTreeSet<String> = intents.iter().map(|i| i.idempotency_key.clone()).collect();
     for r in &charged {
-        assert!(keys.contains(&format!("charge-{}", str_col(r, "id"))), "intent keyed by order {}", str_col(r, "id"));
+        assert!(
+            keys.contains(&format!("charge-{}", str_col(r, "id"))),
+            "intent keyed by order {}",
+            str_col(r, "id")
+        );
     }
 }
 
 /// Send `n` payment orders over `accounts` accounts.
 pub async fn send_orders(store: &dyn Store, n: usize, accounts: usize) {
     let msgs: Vec<SendParams> = (0..n)
-        .map(|i| SendParams { queue: "payments".into(), payload: order(i, i % accounts, 1 + (i as i64 % 50)).into_bytes(), ..Default::default() })
+        .map(|i| SendParams {
+            queue: "payments".into(),
+            payload: order(i, i % accounts, 1 + (i as i64 % 50)).into_bytes(),
+            ..Default::default()
+        })
         .collect();
     for chunk in msgs.chunks(200) {
         store.message_send(chunk.to_vec()).await.unwrap();

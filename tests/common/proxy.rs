@@ -52,7 +52,8 @@ impl Proxy {
                         match sr.read(&mut buf).await {
                             Ok(0) | Err(_) => break,
                             Ok(n) => {
-                                let cut = en.load(Ordering::Relaxed) && rng.lock().map(|mut r| r.random::<f64>() < cut_probability).unwrap_or(false);
+                                let cut = en.load(Ordering::Relaxed)
+                                    && rng.lock().map(|mut r| r.random::<f64>() < cut_probability).unwrap_or(false);
                                 if cut {
                                     cu.fetch_add(1, Ordering::Relaxed);
                                     break; // drop both halves: the connection is cut

@@ -457,6 +457,10 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {
 /// within this window is waited for; a message delayed longer is left.
 pub const UNTIL_EMPTY_HORIZON: Duration = Duration::from_secs(10);
 
+/// How often `--until-empty` asks the store whether work is left (a full
+/// count per queue: cheap on SQLite, not on a busy Spanner emulator).
+pub const UNTIL_EMPTY_POLL: Duration = Duration::from_millis(500);
+
 /// Run several queues until `shutdown` turns true (the caller sends it, on a
 /// signal say). With `until_empty`, also send it once no queue has a ready
 /// or leased message, nor a delayed one due within [`UNTIL_EMPTY_HORIZON`].
@@ -485,7 +489,7 @@ pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, s
                         return;
                     }
                 }
-                sleep_or_shutdown(&mut rx, Duration::from_millis(50)).await;
+                sleep_or_shutdown(&mut rx, UNTIL_EMPTY_POLL).await;
             }
         });
     }

@@ -321,7 +321,11 @@ pub struct StoreOptions {
 
 impl StoreOptions {
     fn spanner(&self, database: &str) -> spanner::SpannerOptions {
-        spanner::SpannerOptions { database: database.to_string(), shards: self.spanner_shards, clients: self.spanner_clients }
+        spanner::SpannerOptions {
+            database: database.to_string(),
+            shards: self.spanner_shards,
+            clients: self.spanner_clients,
+        }
     }
 }
 

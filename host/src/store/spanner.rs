@@ -749,29 +749,46 @@ impl Store for SpannerStore {
         // Start at a random shard (hosts spread over key ranges) and fill the
         // batch from the following shards, oldest first within each.
         let first = i64::from(rand::random::<u32>() % self.shards);
-        let sql = format!(
+        // One scan of the queue's index range for candidates, then a point
+        // update per candidate (guarded: still visible), in one transaction.
+        let find = Statement::builder(format!(
+            "SELECT shard, id FROM onceq_messages@{{FORCE_INDEX=onceq_messages_visible}}
+             WHERE queue = @q AND visible_at <= {NOW}
+             ORDER BY MOD(shard + @shards - @first, @shards), visible_at LIMIT @n"
+        ))
+        .add_param("q", p.queue.clone())
+        .add_param("shards", i64::from(self.shards))
+        .add_param("first", first)
+        .add_param("n", p.limit as i64)
+        .build();
+        let update = format!(
             "UPDATE onceq_messages SET lease_token = @t, visible_at = {NOW} + @lease, attempt = attempt + 1
-             WHERE queue = @q AND visible_at <= {NOW} AND id IN (
-                 SELECT id FROM onceq_messages WHERE queue = @q AND visible_at <= {NOW}
-                 ORDER BY MOD(shard + @shards - @first, @shards), visible_at LIMIT @n)
+             WHERE shard = @s AND id = @id AND visible_at <= {NOW}
              THEN RETURN shard, id, payload, attributes, attempt, enqueued_at, visible_at"
         );
-        let stmt = Statement::builder(sql)
-            .add_param("t", token.clone())
-            .add_param("lease", micros(p.lease))
-            .add_param("q", p.queue.clone())
-            .add_param("shards", i64::from(self.shards))
-            .add_param("first", first)
-            .add_param("n", p.limit as i64)
-            .build();
+        let (t, lease) = (token.clone(), micros(p.lease));
         let leased = self
             .rw(move |tx| {
-                let stmt = stmt.clone();
+                let (find, update, t) = (find.clone(), update.clone(), t.clone());
                 async move {
-                    let mut rs = tx.execute_query(stmt).await?;
-                    let mut rows = Vec::new();
+                    let mut rs = tx.execute_query(find).await?;
+                    let mut candidates = Vec::new();
                     while let Some(r) = rs.next().await {
-                        rows.push(r?);
+                        let r = r?;
+                        candidates.push((r.get::<i64>(0)?, r.get::<String>(1)?));
+                    }
+                    let mut rows = Vec::new();
+                    for (shard, id) in candidates {
+                        let stmt = Statement::builder(update.clone())
+                            .add_param("t", t.clone())
+                            .add_param("lease", lease)
+                            .add_param("s", shard)
+                            .add_param("id", id)
+                            .build();
+                        let mut rs = tx.execute_query(stmt).await?;
+                        while let Some(r) = rs.next().await {
+                            rows.push(r?);
+                        }
                     }
                     Ok(rows)
                 }
