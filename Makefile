@@ -7,7 +7,7 @@ GUEST_DIR    := guest-examples
 GUEST_OUT    := $(GUEST_DIR)/target/$(GUEST_TARGET)/release
 ONCEQ        := target/release/onceq
 
-.PHONY: all tools guests build run test bench lint fmt clean emulator
+.PHONY: all tools guests build run run-spanner test bench lint fmt clean emulator
 
 all: build guests
 
@@ -26,6 +26,11 @@ build:
 ## run: the demo: fresh SQLite database, example handlers, 10,000 messages, summary
 run: guests build
 	$(ONCEQ) demo --guests $(GUEST_OUT)
+
+## run-spanner: the same demo on a Spanner emulator (started and stopped here)
+run-spanner: guests build
+	tests/with-spanner-emulator.sh $(ONCEQ) demo --guests $(GUEST_OUT) --dir .onceq/demo-spanner \
+		--store spanner://projects/onceq/instances/demo/databases/demo --messages $${MESSAGES:-1000}
 
 ## test: every test: real SQLite files, built components, and a Cloud Spanner
 ## emulator started on free ports and stopped by pid (tests/with-spanner-emulator.sh)

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 const PAYMENTS_SCHEMA: &str = include_str!("../../guest-examples/payments/schema.sql");
 const INVENTORY_SCHEMA: &str = include_str!("../../guest-examples/inventory/schema.sql");
+const PAYMENTS_SCHEMA_SPANNER: &str = include_str!("../../guest-examples/payments/schema.spanner.sql");
+const INVENTORY_SCHEMA_SPANNER: &str = include_str!("../../guest-examples/inventory/schema.spanner.sql");
 
 const ACCOUNTS: usize = 1000;
 const OPENING_BALANCE: i64 = 10_000;
@@ -49,6 +51,10 @@ pub struct DemoArgs {
     /// (WAL; safe against crashes of the process, not of the machine).
     #[arg(long, default_value = "full")]
     pub synchronous: String,
+    /// Where to run: "sqlite" (a fresh file in --dir) or a new Spanner
+    /// database, `spanner://projects/P/instances/I/databases/D`.
+    #[arg(long, default_value = "sqlite")]
+    pub store: String,
     /// Random seed for the generated orders.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
@@ -63,7 +69,7 @@ struct Expected {
 fn config_text(args: &DemoArgs, guests: &std::path::Path) -> String {
     format!(
         r#"# Written by `onceq demo`; inspect with `onceq -c {dir}/onceq.toml stats`.
-store = "sqlite://demo.db"
+store = "{store}"
 schema = ["payments.sql", "inventory.sql"]
 
 [sqlite]
@@ -89,6 +95,11 @@ handler = "{guests}/inventory.wasm"
 tables = ["items", "reservations"]
 "#,
         dir = args.dir.display(),
+        store = if args.store == "sqlite" {
+            "sqlite://demo.db"
+        } else {
+            args.store.as_str()
+        },
         sync = args.synchronous,
         workers = args.workers,
         guests = guests.display(),
@@ -218,16 +229,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         std::fs::remove_dir_all(&args.dir).with_context(|| format!("clearing {}", args.dir.display()))?;
     }
     std::fs::create_dir_all(&args.dir)?;
-    std::fs::write(args.dir.join("payments.sql"), PAYMENTS_SCHEMA)?;
-    std::fs::write(args.dir.join("inventory.sql"), INVENTORY_SCHEMA)?;
+    let spanner = args.store.starts_with("spanner://");
+    let (payments, inventory) = if spanner {
+        (PAYMENTS_SCHEMA_SPANNER, INVENTORY_SCHEMA_SPANNER)
+    } else {
+        (PAYMENTS_SCHEMA, INVENTORY_SCHEMA)
+    };
+    std::fs::write(args.dir.join("payments.sql"), payments)?;
+    std::fs::write(args.dir.join("inventory.sql"), inventory)?;
     let cfg_path = args.dir.join("onceq.toml");
     std::fs::write(&cfg_path, config_text(&args, &guests))?;
     let cfg = Config::load(&cfg_path)?;
 
-    println!(
-        "onceq demo: {} messages, payments + inventory handlers, SQLite (synchronous={})",
-        args.messages, args.synchronous
-    );
+    let backend = if spanner {
+        format!("Spanner ({})", args.store)
+    } else {
+        format!("SQLite (synchronous={})", args.synchronous)
+    };
+    println!("onceq demo: {} messages, payments + inventory handlers, {backend}", args.messages);
     let base = app::init(&cfg).await?;
     seed(base.as_ref()).await?;
     let (msgs, expected) = generate(args.messages, args.seed);
