@@ -42,7 +42,7 @@ test: guests
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests
-	$(CARGO) bench --bench pipeline
+	tests/with-spanner-emulator.sh $(CARGO) bench --bench pipeline
 
 ## lint: clippy (unwrap/expect/panic denied outside tests) and rustfmt
 lint:

@@ -312,6 +312,217 @@ fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
     }
 }
 
+/// Spanner (emulator): a hand-written worker with the same client doing the
+/// same lease, read, writes, outbox insert and asserted delete, no Wasm.
+async fn raw_spanner(database: &str, n: usize) -> Run {
+    use google_cloud_spanner::client::Spanner;
+    use google_cloud_spanner::mutation::Mutation;
+    use google_cloud_spanner::statement::Statement;
+    const NOW: &str = "UNIX_MICROS(CURRENT_TIMESTAMP())";
+    let spanner = Spanner::builder().build().await.unwrap();
+    let client = spanner.database_client(database.to_string()).build().await.unwrap();
+    let mut lat = Vec::with_capacity(n);
+    let t = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let token = format!("{:032x}", rand::random::<u128>());
+        let tk = token.clone();
+        let batch: Vec<(i64, String, Vec<u8>)> = client
+            .read_write_transaction()
+            .build()
+            .run(move |tx: google_cloud_spanner::transaction::ReadWriteTransaction| {
+                let tk = tk.clone();
+                async move {
+                    let mut rs = tx
+                        .execute_query(Statement::builder(format!(
+                            "SELECT shard, id FROM onceq_messages@{{FORCE_INDEX=onceq_messages_visible}} WHERE queue = 'payments' AND visible_at <= {NOW} ORDER BY visible_at LIMIT 16"
+                        )).build())
+                        .await?;
+                    let mut ids = Vec::new();
+                    while let Some(r) = rs.next().await {
+                        let r = r?;
+                        ids.push((r.get::<i64>(0)?, r.get::<String>(1)?));
+                    }
+                    let mut out = Vec::new();
+                    for (shard, id) in ids {
+                        let mut rs = tx
+                            .execute_query(
+                                Statement::builder(format!(
+                                    "UPDATE onceq_messages SET lease_token = @t, visible_at = {NOW} + 10000000, attempt = attempt + 1
+                                     WHERE shard = @s AND id = @id THEN RETURN payload"
+                                ))
+                                .add_param("t", tk.clone())
+                                .add_param("s", shard)
+                                .add_param("id", id.clone())
+                                .build(),
+                            )
+                            .await?;
+                        while let Some(r) = rs.next().await {
+                            out.push((shard, id.clone(), r?.get::<Vec<u8>>(0)?));
+                        }
+                    }
+                    Ok(out)
+                }
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        for (shard, id, payload) in batch {
+            let t1 = Instant::now();
+            let v: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+            let (order, account, amount) = (
+                v["order_id"].as_str().unwrap().to_string(),
+                v["account"].as_str().unwrap().to_string(),
+                v["amount"].as_i64().unwrap(),
+            );
+            let balance: i64 = {
+                let mut rs = client
+                    .single_use()
+                    .build()
+                    .execute_query(
+                        Statement::builder("SELECT balance FROM accounts WHERE id = @a")
+                            .add_param("a", account.clone())
+                            .build(),
+                    )
+                    .await
+                    .unwrap();
+                rs.next().await.unwrap().unwrap().get(0).unwrap()
+            };
+            let token = token.clone();
+            client
+                .read_write_transaction()
+                .build()
+                .run(move |tx: google_cloud_spanner::transaction::ReadWriteTransaction| {
+                    let (order, account, id, token, payload) = (order.clone(), account.clone(), id.clone(), token.clone(), payload.clone());
+                    async move {
+                        let mut rs = tx.execute_query(Statement::builder("SELECT balance FROM accounts WHERE id = @a").add_param("a", account.clone()).build()).await?;
+                        let now: i64 = rs.next().await.unwrap()?.get(0)?;
+                        assert_eq!(now, balance);
+                        tx.execute_update(
+                            Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
+                                .add_param("s", shard)
+                                .add_param("id", id.clone())
+                                .add_param("t", token)
+                                .build(),
+                        )
+                        .await?;
+                        tx.execute_update(
+                            Statement::builder(format!(
+                                "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at, attempt)
+                                 VALUES (@id, 'charge', @k, @p, '[]', 'payments', @src, {NOW}, {NOW}, 0)"
+                            ))
+                            .add_param("id", format!("{:032x}", rand::random::<u128>()))
+                            .add_param("k", format!("charge-{order}"))
+                            .add_param("p", payload)
+                            .add_param("src", id)
+                            .build(),
+                        )
+                        .await?;
+                        tx.buffer([
+                            Mutation::new_update_builder("accounts").set("id").to(account.clone()).set("balance").to(balance - amount).build(),
+                            Mutation::new_insert_builder("orders")
+                                .set("id")
+                                .to(order.clone())
+                                .set("account_id")
+                                .to(account)
+                                .set("amount")
+                                .to(amount)
+                                .set("status")
+                                .to("charged".to_string())
+                                .set("created_at")
+                                .to(std::time::SystemTime::now())
+                                .build(),
+                        ])?;
+                        Ok(())
+                    }
+                })
+                .await
+                .unwrap();
+            lat.push(t1.elapsed().as_micros() as u64);
+            done += 1;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Run {
+        msgs_per_s: n as f64 / secs,
+        p50_us: quantile(&mut lat, 0.5),
+        p99_us: quantile(&mut lat, 0.99),
+    }
+}
+
+/// A fresh emulator database with the payments tables, `n` orders queued.
+async fn spanner_db(n: usize) -> (Arc<dyn Store>, String) {
+    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    let database = format!("projects/onceq/instances/bench/databases/b{:x}", rand::random::<u32>());
+    let ddl = include_str!("../../guest-examples/payments/schema.spanner.sql");
+    let opts = SpannerOptions {
+        database: database.clone(),
+        shards: 8,
+        clients: 4,
+    };
+    let store: Arc<dyn Store> = Arc::new(SpannerStore::init(&opts, ddl, &StoreOptions::default()).await.unwrap());
+    let schema = store.schema();
+    let mut tx = store.transaction_begin().await.unwrap();
+    for i in 0..ACCOUNTS {
+        let w = RowWrite {
+            table: "accounts".into(),
+            op: WriteOp::Insert,
+            columns: vec![
+                ("id".into(), Value::String(format!("acct-{i}"))),
+                ("balance".into(), Value::Int64(100_000_000)),
+            ],
+        };
+        tx.row_write(schema.table("accounts").unwrap().check_write(&w).unwrap());
+    }
+    tx.commit().await.unwrap();
+    let msgs: Vec<SendParams> = (0..n)
+        .map(|i| SendParams {
+            queue: "payments".into(),
+            payload: order_payload(i),
+            ..Default::default()
+        })
+        .collect();
+    for c in msgs.chunks(200) {
+        store.message_send(c.to_vec()).await.unwrap();
+    }
+    (store, database)
+}
+
+async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize) -> Run {
+    let grants = Grants {
+        tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(),
+        connectors: ["charge".to_string()].into(),
+        ..Default::default()
+    };
+    let policy = Policy {
+        workers: 1,
+        batch: 16,
+        poll_max: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let runner = Arc::new(QueueRunner::new(
+        QueueSpec {
+            name: "payments".into(),
+            handler,
+            grants,
+            limits: EffectLimits::default(),
+            policy,
+        },
+        store.clone(),
+    ));
+    let (tx, _) = tokio::sync::watch::channel(false);
+    let t = Instant::now();
+    protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
+    let secs = t.elapsed().as_secs_f64();
+    let m = &runner.metrics;
+    assert_eq!(m.processed.load(std::sync::atomic::Ordering::Relaxed), n as u64);
+    Run {
+        msgs_per_s: n as f64 / secs,
+        p50_us: m.latency_quantile(0.5),
+        p99_us: m.latency_quantile(0.99),
+    }
+}
+
 fn main() {
     let n = env_usize("ONCEQ_BENCH_MESSAGES", 10_000);
     let calls = env_usize("ONCEQ_BENCH_CALLS", 20_000);
@@ -423,5 +634,25 @@ fn main() {
             wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s
         );
         println!("| dispatch median | {:.1} µs | <= 10 µs |", w50 as f64 / 1000.0);
+
+        if std::env::var("SPANNER_EMULATOR_HOST").is_ok() {
+            // The emulator runs one read-write transaction at a time: keep it
+            // small, one worker each, and compare the ratio.
+            let ns = env_usize("ONCEQ_BENCH_SPANNER_MESSAGES", 300);
+            let (store, _) = spanner_db(ns).await;
+            let onceq_run = pipeline_on(store, wasm.clone(), ns).await;
+            let (_, database) = spanner_db(ns).await;
+            let raw_run = raw_spanner(&database, ns).await;
+            println!("\n| Spanner emulator ({ns} messages, 1 worker) | messages/s | p50 | p99 |");
+            println!("|---|---|---|---|");
+            row("onceq, Wasm handler", &onceq_run);
+            row("hand-written worker, same client, no Wasm", &raw_run);
+            println!("\n| ratio | value | target |");
+            println!("|---|---|---|");
+            println!(
+                "| onceq / hand-written (Spanner emulator) | {:.2} | >= 0.9 |",
+                onceq_run.msgs_per_s / raw_run.msgs_per_s
+            );
+        }
     });
 }
