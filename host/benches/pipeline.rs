@@ -459,6 +459,7 @@ async fn spanner_db(n: usize) -> (Arc<dyn Store>, String) {
         database: database.clone(),
         shards: 8,
         clients: 4,
+        exclusive: None,
     };
     let store: Arc<dyn Store> = Arc::new(SpannerStore::init(&opts, ddl, &StoreOptions::default()).await.unwrap());
     let schema = store.schema();

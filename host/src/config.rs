@@ -30,6 +30,7 @@ struct RawSqlite {
 struct RawSpanner {
     shards: Option<u32>,
     clients: Option<usize>,
+    exclusive_clients: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -189,6 +190,7 @@ impl Config {
         if let Some(n) = raw.spanner.clients {
             store_options.spanner_clients = n.max(1);
         }
+        store_options.spanner_exclusive_clients = raw.spanner.exclusive_clients;
         let mut runtime = RuntimeConfig::default();
         if let Some(n) = raw.runtime.max_instances {
             runtime.max_instances = n;

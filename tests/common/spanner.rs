@@ -23,6 +23,7 @@ pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, St
         database: database.clone(),
         shards: 4,
         clients: 4,
+        exclusive: None,
     };
     let store = SpannerStore::init(&opts, ddl, &options)
         .await

@@ -317,6 +317,8 @@ pub struct StoreOptions {
     pub spanner_shards: u32,
     /// Spanner: clients in the pool (concurrent operations).
     pub spanner_clients: usize,
+    /// Spanner: one client per operation (`None`: only on the emulator).
+    pub spanner_exclusive_clients: Option<bool>,
 }
 
 impl StoreOptions {
@@ -325,6 +327,7 @@ impl StoreOptions {
             database: database.to_string(),
             shards: self.spanner_shards,
             clients: self.spanner_clients,
+            exclusive: self.spanner_exclusive_clients,
         }
     }
 }
@@ -336,6 +339,7 @@ impl Default for StoreOptions {
             sqlite_synchronous: "full".to_string(),
             spanner_shards: 8,
             spanner_clients: 16,
+            spanner_exclusive_clients: None,
         }
     }
 }

@@ -81,8 +81,13 @@ pub struct SpannerOptions {
     pub database: String,
     /// Shards per queue table key range.
     pub shards: u32,
-    /// Clients in the pool (at most this many concurrent operations).
+    /// Clients in the pool (at most this many concurrent operations) when
+    /// `exclusive`.
     pub clients: usize,
+    /// Check a client out exclusively per operation (the emulator has no
+    /// multiplexed sessions); otherwise every operation shares one client,
+    /// as real Spanner allows. `None`: exclusive only on the emulator.
+    pub exclusive: Option<bool>,
 }
 
 fn classify(e: google_cloud_spanner::Error) -> StoreError {
@@ -108,6 +113,8 @@ fn classify(e: google_cloud_spanner::Error) -> StoreError {
 }
 
 struct Pool {
+    exclusive: bool,
+    shared: tokio::sync::OnceCell<DatabaseClient>,
     spanner: Spanner,
     database: String,
     free: Mutex<Vec<DatabaseClient>>,
@@ -121,6 +128,8 @@ struct Pool {
 struct Lent {
     pool: Arc<Pool>,
     client: DatabaseClient,
+    /// Goes back to the pool on drop (exclusive mode).
+    pooled: bool,
 }
 
 impl std::ops::Deref for Lent {
@@ -132,6 +141,9 @@ impl std::ops::Deref for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
+        if !self.pooled {
+            return;
+        }
         if let Ok(mut free) = self.pool.free.lock() {
             free.push(self.client.clone());
             self.pool.ready.notify_one();
@@ -141,11 +153,24 @@ impl Drop for Lent {
 
 impl Pool {
     async fn get(self: &Arc<Self>) -> StoreResult<Lent> {
+        if !self.exclusive {
+            let c = self
+                .shared
+                .get_or_try_init(|| async { self.spanner.database_client(self.database.clone()).build().await })
+                .await
+                .map_err(classify)?;
+            return Ok(Lent {
+                pool: self.clone(),
+                client: c.clone(),
+                pooled: false,
+            });
+        }
         loop {
             if let Some(c) = self.free.lock().ok().and_then(|mut f| f.pop()) {
                 return Ok(Lent {
                     pool: self.clone(),
                     client: c,
+                    pooled: true,
                 });
             }
             if self.made.fetch_add(1, Ordering::SeqCst) < self.max {
@@ -158,6 +183,7 @@ impl Pool {
                 return Ok(Lent {
                     pool: self.clone(),
                     client: c,
+                    pooled: true,
                 });
             }
             self.made.fetch_sub(1, Ordering::SeqCst);
@@ -398,7 +424,10 @@ impl SpannerStore {
             .build()
             .await
             .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
         let pool = Arc::new(Pool {
+            exclusive: opts.exclusive.unwrap_or(emulator),
+            shared: tokio::sync::OnceCell::new(),
             spanner,
             database: opts.database.clone(),
             free: Mutex::new(Vec::new()),
