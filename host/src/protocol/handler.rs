@@ -71,9 +71,6 @@ pub struct ReadScope {
     pub reads: u64,
 }
 
-/// Cap on the rows one scan may return to a handler.
-pub const MAX_SCAN_ROWS: u32 = 1000;
-
 impl ReadScope {
     pub fn new(tx: Box<dyn Transaction>, schema: Arc<Schema>, tables: Arc<BTreeSet<String>>) -> ReadScope {
         ReadScope {
@@ -131,11 +128,12 @@ impl ReadScope {
         }
     }
 
-    /// Prefix scan, at most `limit` rows (capped at [`MAX_SCAN_ROWS`]).
+    /// Prefix scan, at most `limit` rows (the store caps it at
+    /// [`crate::store::MAX_SCAN_ROWS`]).
     pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, String> {
         let t = self.check(table, prefix, true)?;
         self.reads += 1;
-        match self.tx.row_scan(&t, prefix, limit.min(MAX_SCAN_ROWS) as usize).await {
+        match self.tx.row_scan(&t, prefix, limit as usize).await {
             Ok(r) => Ok(r),
             Err(e) => {
                 let msg = e.to_string();

@@ -65,6 +65,28 @@ impl StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// Cap on the rows one scan may return to a handler (both stores enforce it).
+pub const MAX_SCAN_ROWS: usize = 1000;
+
+/// A read a handler made, recorded so the commit can run it again and abort
+/// if the answer changed (optimistic concurrency, used by both stores).
+pub(crate) struct ReadRecord {
+    pub table: TableSchema,
+    /// The primary key (point read) or a key prefix (scan).
+    pub key: Vec<Value>,
+    /// `None`: a point read; `Some(n)`: a scan of at most `n` rows.
+    pub limit: Option<usize>,
+    /// What the handler saw (at most one row for a point read).
+    pub result: Vec<Row>,
+}
+
+impl ReadRecord {
+    /// Does `now`, the same read run again at commit, match what the handler saw?
+    pub fn unchanged(&self, now: &[Row]) -> bool {
+        now.len() == self.result.len() && now.iter().zip(&self.result).all(|(a, b)| crate::value::rows_same(a, b))
+    }
+}
+
 /// A lease on one message: the right to ack, nack or dead-letter it while
 /// the token matches.
 #[derive(Debug, Clone, PartialEq, Eq)]

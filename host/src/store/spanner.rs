@@ -31,7 +31,7 @@
 
 use super::*;
 use crate::schema::{column_type_from_decl, ColumnSchema, ColumnType};
-use crate::value::{random_id, rows_same, WriteOp};
+use crate::value::{random_id, WriteOp};
 use google_cloud_spanner::client::{DatabaseClient, Spanner};
 use google_cloud_spanner::key::{Key, KeySetBuilder};
 use google_cloud_spanner::mutation::Mutation;
@@ -1094,24 +1094,9 @@ impl CommitData {
     /// writes nothing) if a read changed.
     async fn apply(&self, tx: &RwTx) -> google_cloud_spanner::Result<bool> {
         for read in &self.reads {
-            let unchanged = match read {
-                ReadRecord::Get { table, key, result } => match collect(table, rows_in(tx, table, key, None).await?).await {
-                    Ok(rows) => match (rows.first(), result) {
-                        (None, None) => true,
-                        (Some(a), Some(b)) => rows_same(a, b),
-                        _ => false,
-                    },
-                    Err(_) => false,
-                },
-                ReadRecord::Scan {
-                    table,
-                    prefix,
-                    limit,
-                    result,
-                } => match collect(table, rows_in(tx, table, prefix, Some(*limit)).await?).await {
-                    Ok(now) => now.len() == result.len() && now.iter().zip(result).all(|(a, b)| rows_same(a, b)),
-                    Err(_) => false,
-                },
+            let unchanged = match collect(&read.table, rows_in(tx, &read.table, &read.key, read.limit).await?).await {
+                Ok(now) => read.unchanged(&now),
+                Err(_) => false,
             };
             if !unchanged {
                 return Ok(false);
@@ -1155,20 +1140,6 @@ impl CommitData {
         tx.buffer(self.mutations.clone())?;
         Ok(true)
     }
-}
-
-enum ReadRecord {
-    Get {
-        table: TableSchema,
-        key: Vec<Value>,
-        result: Option<Row>,
-    },
-    Scan {
-        table: TableSchema,
-        prefix: Vec<Value>,
-        limit: usize,
-        result: Vec<Row>,
-    },
 }
 
 struct SpannerTransaction {
@@ -1218,16 +1189,17 @@ impl Transaction for SpannerTransaction {
             .await
             .map_err(classify)?;
         let result = collect(table, rs).await?.into_iter().next();
-        self.reads.push(ReadRecord::Get {
+        self.reads.push(ReadRecord {
             table: table.clone(),
             key: key.to_vec(),
-            result: result.clone(),
+            limit: None,
+            result: result.iter().cloned().collect(),
         });
         Ok(result)
     }
 
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
-        let limit = limit.min(crate::store::sqlite::MAX_SCAN_ROWS);
+        let limit = limit.min(MAX_SCAN_ROWS);
         let rs = self
             .snapshot()
             .await?
@@ -1235,10 +1207,10 @@ impl Transaction for SpannerTransaction {
             .await
             .map_err(classify)?;
         let result = collect(table, rs).await?;
-        self.reads.push(ReadRecord::Scan {
+        self.reads.push(ReadRecord {
             table: table.clone(),
-            prefix: prefix.to_vec(),
-            limit,
+            key: prefix.to_vec(),
+            limit: Some(limit),
             result: result.clone(),
         });
         Ok(result)

@@ -24,7 +24,7 @@
 
 use super::*;
 use crate::schema::{column_type_from_decl, ColumnSchema, ColumnType};
-use crate::value::{random_id, rows_same, WriteOp};
+use crate::value::{random_id, WriteOp};
 use rusqlite::types::{Value as SqlValue, ValueRef};
 use rusqlite::{params, Connection, ErrorCode, OptionalExtension, TransactionBehavior};
 use std::path::{Path, PathBuf};
@@ -88,9 +88,6 @@ INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '1');
 
 /// Bytes of the database file mapped into memory per connection.
 const MMAP_SIZE: u64 = 256 << 20;
-
-/// Cap on rows a handler scan may return.
-pub const MAX_SCAN_ROWS: usize = 1000;
 
 struct Inner {
     path: PathBuf,
@@ -822,21 +819,6 @@ impl SqliteStore {
     }
 }
 
-/// A read the handler made, to be checked again at commit.
-enum ReadRecord {
-    Get {
-        table: TableSchema,
-        key: Vec<Value>,
-        result: Option<Row>,
-    },
-    Scan {
-        table: TableSchema,
-        prefix: Vec<Value>,
-        limit: usize,
-        result: Vec<Row>,
-    },
-}
-
 struct Buffered {
     reads: Vec<ReadRecord>,
     writes: Vec<ValidWrite>,
@@ -891,10 +873,11 @@ fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSche
 impl Transaction for SqliteTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
         let result = row_get_on(self.snapshot()?, table, key)?;
-        self.reads.push(ReadRecord::Get {
+        self.reads.push(ReadRecord {
             table: table.clone(),
             key: key.to_vec(),
-            result: result.clone(),
+            limit: None,
+            result: result.iter().cloned().collect(),
         });
         Ok(result)
     }
@@ -902,10 +885,10 @@ impl Transaction for SqliteTransaction {
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         let limit = limit.min(MAX_SCAN_ROWS);
         let result = row_scan_on(self.snapshot()?, table, prefix, limit)?;
-        self.reads.push(ReadRecord::Scan {
+        self.reads.push(ReadRecord {
             table: table.clone(),
-            prefix: prefix.to_vec(),
-            limit,
+            key: prefix.to_vec(),
+            limit: Some(limit),
             result: result.clone(),
         });
         Ok(result)
@@ -945,25 +928,15 @@ impl Transaction for SqliteTransaction {
         inner
             .write(|c| {
                 for read in &this.reads {
-                    let unchanged = match read {
-                        ReadRecord::Get { table, key, result } => {
-                            let now = row_get_on(c, table, key)?;
-                            match (&now, result) {
-                                (None, None) => true,
-                                (Some(a), Some(b)) => rows_same(a, b),
-                                _ => false,
-                            }
-                        }
-                        ReadRecord::Scan { table, prefix, limit, result } => {
-                            let now = row_scan_on(c, table, prefix, *limit)?;
-                            now.len() == result.len() && now.iter().zip(result).all(|(a, b)| rows_same(a, b))
-                        }
+                    let now = match read.limit {
+                        None => row_get_on(c, &read.table, &read.key)?.into_iter().collect(),
+                        Some(limit) => row_scan_on(c, &read.table, &read.key, limit)?,
                     };
-                    if !unchanged {
-                        let table = match read {
-                            ReadRecord::Get { table, .. } | ReadRecord::Scan { table, .. } => &table.name,
-                        };
-                        return Err(StoreError::Aborted(format!("a row of {table} read by the handler changed before commit")));
+                    if !read.unchanged(&now) {
+                        return Err(StoreError::Aborted(format!(
+                            "a row of {} read by the handler changed before commit",
+                            read.table.name
+                        )));
                     }
                 }
                 if let Some(lease) = &this.ack {
