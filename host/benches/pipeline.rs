@@ -189,42 +189,7 @@ async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, w
     for c in msgs.chunks(1000) {
         store.message_send(c.to_vec()).await.unwrap();
     }
-    let grants = Grants {
-        tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(),
-        connectors: ["charge".to_string()].into(),
-        ..Default::default()
-    };
-    let policy = Policy {
-        workers,
-        batch: 16,
-        poll_max: Duration::from_millis(5),
-        ..Default::default()
-    };
-    let runner = Arc::new(QueueRunner::new(
-        QueueSpec {
-            name: "payments".into(),
-            handler,
-            grants,
-            limits: EffectLimits::default(),
-            policy,
-        },
-        store.clone(),
-    ));
-    let (tx, _) = tokio::sync::watch::channel(false);
-    let t = Instant::now();
-    protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
-    let secs = t.elapsed().as_secs_f64();
-    let m = &runner.metrics;
-    assert_eq!(
-        m.processed.load(std::sync::atomic::Ordering::Relaxed),
-        n as u64,
-        "every message processed"
-    );
-    Run {
-        msgs_per_s: n as f64 / secs,
-        p50_us: m.latency_quantile(0.5),
-        p99_us: m.latency_quantile(0.99),
-    }
+    pipeline_on(store, handler, n, workers).await
 }
 
 /// The physical limit: the same statements in a plain rusqlite loop.
@@ -489,14 +454,15 @@ async fn spanner_db(n: usize) -> (Arc<dyn Store>, String) {
     (store, database)
 }
 
-async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize) -> Run {
+/// Drain `n` queued payments messages with `workers` workers; every one must be acked.
+async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
     let grants = Grants {
         tables: ["accounts", "orders"].iter().map(|s| s.to_string()).collect(),
         connectors: ["charge".to_string()].into(),
         ..Default::default()
     };
     let policy = Policy {
-        workers: 1,
+        workers,
         batch: 16,
         poll_max: Duration::from_millis(5),
         ..Default::default()
@@ -516,7 +482,11 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize)
     protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
     let secs = t.elapsed().as_secs_f64();
     let m = &runner.metrics;
-    assert_eq!(m.processed.load(std::sync::atomic::Ordering::Relaxed), n as u64);
+    assert_eq!(
+        m.processed.load(std::sync::atomic::Ordering::Relaxed),
+        n as u64,
+        "every message processed"
+    );
     Run {
         msgs_per_s: n as f64 / secs,
         p50_us: m.latency_quantile(0.5),
@@ -641,7 +611,7 @@ fn main() {
             // small, one worker each, and compare the ratio.
             let ns = env_usize("ONCEQ_BENCH_SPANNER_MESSAGES", 300);
             let (store, _) = spanner_db(ns).await;
-            let onceq_run = pipeline_on(store, wasm.clone(), ns).await;
+            let onceq_run = pipeline_on(store, wasm.clone(), ns, 1).await;
             let (_, database) = spanner_db(ns).await;
             let raw_run = raw_spanner(&database, ns).await;
             println!("\n| Spanner emulator ({ns} messages, 1 worker) | messages/s | p50 | p99 |");
