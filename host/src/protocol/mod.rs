@@ -156,6 +156,9 @@ pub struct QueueRunner {
     store: Arc<dyn Store>,
     tables: Arc<BTreeSet<String>>,
     pub metrics: Arc<Metrics>,
+    /// Signalled when a worker finds the queue empty, so `--until-empty`
+    /// checks at once instead of waiting for its next poll.
+    idle: Arc<tokio::sync::Notify>,
 }
 
 enum AttemptError {
@@ -171,6 +174,7 @@ impl QueueRunner {
             store,
             tables,
             metrics: Arc::new(Metrics::default()),
+            idle: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -215,6 +219,7 @@ impl QueueRunner {
                 }
             };
             if batch.is_empty() {
+                self.idle.notify_one();
                 sleep_or_shutdown(&mut shutdown, jittered(idle)).await;
                 idle = (idle * 2).min(p.poll_max);
                 continue;
@@ -457,9 +462,13 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {
 /// within this window is waited for; a message delayed longer is left.
 pub const UNTIL_EMPTY_HORIZON: Duration = Duration::from_secs(10);
 
-/// How often `--until-empty` asks the store whether work is left (a full
-/// count per queue: cheap on SQLite, not on a busy Spanner emulator).
+/// How often `--until-empty` asks the store whether work is left when no
+/// worker reports an empty queue (each check is a count per queue: cheap on
+/// SQLite, not on a busy Spanner emulator).
 pub const UNTIL_EMPTY_POLL: Duration = Duration::from_millis(500);
+
+/// Shortest pause between two of those checks.
+pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
 
 /// Run several queues until `shutdown` turns true (the caller sends it, on a
 /// signal say). With `until_empty`, also send it once no queue has a ready
@@ -474,8 +483,21 @@ pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, s
     }
     if until_empty {
         let names: BTreeSet<String> = runners.iter().map(|r| r.spec.name.clone()).collect();
+        // Any runner going idle wakes the watcher.
+        let idle = Arc::new(tokio::sync::Notify::new());
+        let mut forwarders = tokio::task::JoinSet::new();
+        for r in &runners {
+            let (mine, any) = (r.idle.clone(), idle.clone());
+            forwarders.spawn(async move {
+                loop {
+                    mine.notified().await;
+                    any.notify_one();
+                }
+            });
+        }
         let mut rx = rx.clone();
         tasks.spawn(async move {
+            let _forwarders = forwarders; // stop with the watcher
             while !*rx.borrow() {
                 if let Ok(stats) = store.stats().await {
                     let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
@@ -489,7 +511,13 @@ pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, s
                         return;
                     }
                 }
-                sleep_or_shutdown(&mut rx, UNTIL_EMPTY_POLL).await;
+                // At most one check per UNTIL_EMPTY_MIN_GAP, however many
+                // workers report an empty queue meanwhile.
+                sleep_or_shutdown(&mut rx, UNTIL_EMPTY_MIN_GAP).await;
+                tokio::select! {
+                    _ = idle.notified() => {}
+                    _ = sleep_or_shutdown(&mut rx, UNTIL_EMPTY_POLL) => {}
+                }
             }
         });
     }
