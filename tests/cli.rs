@@ -42,6 +42,14 @@ handler = "{}"
 tables = ["accounts", "orders"]
 connectors = ["charge"]
 {extra_queue_settings}
+
+[[connector]]
+name = "charge"
+kind = "file"
+path = "charges.jsonl"
+
+[outbox]
+backoff_initial = "10ms"
 "#,
                 guest("payments").display()
             ),
@@ -106,10 +114,19 @@ connectors = ["charge"]
             ACCOUNTS as i64 * BALANCE,
             "money conserved"
         );
+        // Intents are delivered at least once (a kill can repeat one), each
+        // key once per charged order.
+        let lines = file_lines(&self.path().join("charges.jsonl"));
+        let keys: std::collections::BTreeSet<&str> = lines.iter().map(|l| l["idempotency_key"].as_str().unwrap()).collect();
         assert_eq!(
-            self.count("SELECT COUNT(*) FROM onceq_outbox"),
+            keys.len() as i64,
             self.count("SELECT COUNT(*) FROM orders WHERE status = 'charged'"),
-            "one intent per charged order"
+            "one charge delivered per charged order"
+        );
+        assert_eq!(
+            self.count("SELECT COUNT(*) FROM onceq_dedup WHERE queue = 'onceq.outbox.charge'"),
+            keys.len() as i64,
+            "delivered keys are kept for the retention window"
         );
     }
 }
@@ -140,7 +157,7 @@ fn sigkill_mid_run_then_restart_loses_nothing_and_doubles_nothing() {
     let done = p.count("SELECT COUNT(*) FROM orders");
     assert!(done < n as i64, "the kill must land mid-run (processed {done} of {n})");
     assert_eq!(
-        p.count("SELECT COUNT(*) FROM onceq_messages") + done,
+        p.count("SELECT COUNT(*) FROM onceq_messages WHERE queue = 'payments'") + done,
         n as i64,
         "ack and writes are atomic at the kill"
     );
@@ -181,7 +198,7 @@ fn sigterm_finishes_in_flight_work_and_exits_zero() {
     assert!(left > 0, "shutdown happened mid-run");
     assert_eq!(p.count("SELECT COUNT(*) FROM orders") + left as i64, n as i64);
     assert_eq!(
-        p.count("SELECT MAX(attempt) FROM onceq_messages"),
+        p.count("SELECT MAX(attempt) FROM onceq_messages WHERE queue = 'payments'"),
         0,
         "released messages do not count an attempt"
     );

@@ -21,26 +21,7 @@ const BALANCE: i64 = 1_000_000;
 /// Orders, balances and charge intents after `n` payment messages: each
 /// order applied exactly once, money conserved, one intent per order.
 async fn assert_payments_exactly_once(db: &TestDb, n: usize) {
-    assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "queue not drained");
-    assert_eq!(
-        db.count("SELECT COUNT(*) FROM onceq_dead_letters"),
-        0,
-        "nothing should be dead-lettered"
-    );
-    assert_eq!(db.count("SELECT COUNT(*) FROM orders"), n as i64, "each order row exactly once");
-    let charged = db.count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'");
-    let balances = db.count("SELECT SUM(balance) FROM accounts");
-    assert_eq!(balances + charged, ACCOUNTS as i64 * BALANCE, "every debit applied exactly once");
-    assert_eq!(
-        db.count("SELECT COUNT(*) FROM onceq_outbox WHERE connector = 'charge'"),
-        db.count("SELECT COUNT(*) FROM orders WHERE status = 'charged'"),
-        "one charge intent per charged order"
-    );
-    assert_eq!(
-        db.count("SELECT COUNT(*) FROM orders o JOIN onceq_outbox i ON i.idempotency_key = 'charge-' || o.id WHERE o.status = 'charged'"),
-        db.count("SELECT COUNT(*) FROM orders WHERE status = 'charged'"),
-        "each intent keyed by its order id"
-    );
+    check_payments_exactly_once(db.store.as_ref(), n, ACCOUNTS, BALANCE).await;
 }
 
 async fn payments_under_faults(
@@ -314,7 +295,7 @@ async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
     let handler = Arc::new(wasm(&rt, "chaos", HandlerLimits::default()));
     let r = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), policy(2, 3));
     drain(&db.store, std::slice::from_ref(&r)).await;
-    let dead = db.store.dead_letter_list(Some("chaos"), 10).await.unwrap();
+    let dead = db.store.dead_letter_list(onceq::store::Queues::Named("chaos"), 10).await.unwrap();
     assert_eq!(dead.len(), 2);
     let reject = dead.iter().find(|d| d.payload_text.contains("reject")).unwrap();
     assert_eq!(reject.attempts, 1, "reject dead-letters on the first attempt");
@@ -348,7 +329,7 @@ async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
         1,
         "the good message is not held up by the poison one"
     );
-    let dead = db.store.dead_letter_list(None, 10).await.unwrap();
+    let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].attempts, 4);
     assert!(
@@ -363,5 +344,8 @@ async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
     assert_eq!(db.count(&format!("SELECT attempt FROM onceq_messages WHERE id = '{id}'")), 0);
     let r2 = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), policy(1, 2));
     drain(&db.store, std::slice::from_ref(&r2)).await;
-    assert_eq!(db.store.dead_letter_list(None, 10).await.unwrap()[0].attempts, 2);
+    assert_eq!(
+        db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap()[0].attempts,
+        2
+    );
 }

@@ -44,26 +44,19 @@ async fn payments_charges_declines_and_rejects() {
     assert_eq!(status("o-3"), "charged");
     assert_eq!(db.count("SELECT balance FROM accounts WHERE id = 'acct-0'"), 40);
     assert_eq!(db.count("SELECT balance FROM accounts WHERE id = 'acct-1'"), 0);
-    let keys: Vec<String> = db
-        .sql()
-        .prepare("SELECT idempotency_key FROM onceq_outbox ORDER BY 1")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    // The charge intents wait in the outbox until a dispatcher delivers
+    // them; here through a file connector.
+    let charges = db.dir.path().join("charges.jsonl");
+    assert!(file_lines(&charges).is_empty(), "nothing is delivered before the dispatcher runs");
+    drain(&db.store, &[file_dispatcher(&db.store, "charge", &charges)]).await;
+    let lines = file_lines(&charges);
+    let mut keys: Vec<&str> = lines.iter().map(|l| l["idempotency_key"].as_str().unwrap()).collect();
+    keys.sort();
     assert_eq!(keys, ["charge-o-1", "charge-o-3"], "declined orders emit no intent");
-    let payload: String = db
-        .sql()
-        .query_row(
-            "SELECT CAST(payload AS TEXT) FROM onceq_outbox WHERE idempotency_key = 'charge-o-1'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
-    let payload: serde_json::Value = serde_json::from_str(&payload).unwrap();
+    let payload = &lines.iter().find(|l| l["idempotency_key"] == "charge-o-1").unwrap()["payload"];
+    assert_eq!(lines[0]["source_queue"], "payments");
     assert_eq!(payload["amount"], 60);
-    let dead = db.store.dead_letter_list(None, 10).await.unwrap();
+    let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     let reasons: Vec<&str> = dead.iter().map(|d| d.reason.as_str()).collect();
     assert_eq!(dead.len(), 3, "{reasons:?}");
     assert!(reasons.iter().any(|r| r.contains("unknown account acct-9")));
@@ -115,7 +108,103 @@ async fn inventory_never_oversells_under_concurrent_workers() {
         db.count("SELECT COUNT(*) FROM reservations WHERE order_id = 'o-big' AND status = 'backordered'"),
         1
     );
-    let dead = db.store.dead_letter_list(None, 10).await.unwrap();
+    let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert!(dead[0].reason.contains("unknown item sku-404"), "{}", dead[0].reason);
+}
+
+const REPORT_SQL: &str = include_str!("../guest-examples/report/schema.sql");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_runs_as_checkpointed_steps_with_ack_and_reschedule() {
+    let db = TestDb::new(REPORT_SQL);
+    let days: Vec<String> = (1..=4).map(|d| format!("2026-11-0{d}")).collect();
+    let (mut count, mut total) = (0i64, 0i64);
+    {
+        let c = db.sql();
+        for (d, day) in days.iter().enumerate() {
+            for seq in 0..(10 * (d as i64 + 1)) {
+                c.execute(
+                    "INSERT INTO sales (day, seq, amount) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![day, seq, seq + 1],
+                )
+                .unwrap();
+                count += 1;
+                total += seq + 1;
+            }
+        }
+    }
+    db.send(
+        "reports",
+        [
+            serde_json::json!({ "report_id": "r-1", "days": days, "pause_ms": 50 }).to_string(),
+            serde_json::json!({ "report_id": "r-empty", "days": [] }).to_string(),
+        ],
+    )
+    .await;
+    let rt = runtime();
+    let r = runner(
+        &db.store,
+        "reports",
+        Arc::new(wasm(&rt, "report", HandlerLimits::default())),
+        grants(&["sales", "reports"], &[], &["report-ready"]),
+        policy(1, 3),
+    );
+
+    // One step by hand: its checkpoint is committed with its ack, and the
+    // next step is waiting on the queue.
+    let leased = db
+        .store
+        .message_lease(onceq::store::LeaseParams {
+            queue: "reports".into(),
+            limit: 2,
+            lease: std::time::Duration::from_secs(10),
+        })
+        .await
+        .unwrap();
+    for lm in &leased {
+        r.process(lm).await;
+    }
+    let row = |col_: &str| db.count(&format!("SELECT {col_} FROM reports WHERE id = 'r-1'"));
+    assert_eq!((row("days_done"), row("sales"), row("total")), (1, 10, 55), "step 1 checkpointed");
+    let status: String = db
+        .sql()
+        .query_row("SELECT status FROM reports WHERE id = 'r-1'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(status, "running");
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM onceq_messages WHERE queue = 'reports'"),
+        1,
+        "the next step is enqueued, nothing else"
+    );
+    let dead = db.store.dead_letter_list(onceq::store::Queues::Named("reports"), 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].reason.contains("report r-empty: no days"), "{}", dead[0].reason);
+
+    drain(&db.store, std::slice::from_ref(&r)).await;
+    assert_eq!(
+        (row("days_done"), row("days_total"), row("sales"), row("total")),
+        (4, 4, count, total)
+    );
+    let status: String = db
+        .sql()
+        .query_row("SELECT status FROM reports WHERE id = 'r-1'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(status, "done");
+    let m = &r.metrics;
+    assert_eq!(m.processed.load(std::sync::atomic::Ordering::Relaxed), 4, "one message per step");
+    assert_eq!(
+        m.enqueued.load(std::sync::atomic::Ordering::Relaxed),
+        3,
+        "each step but the last rescheduled the job"
+    );
+
+    // The last step's intent, delivered once.
+    let ready = db.dir.path().join("ready.jsonl");
+    drain(&db.store, &[file_dispatcher(&db.store, "report-ready", &ready)]).await;
+    let lines = file_lines(&ready);
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["idempotency_key"], "report-r-1");
+    assert_eq!(lines[0]["payload"]["total"], total);
+    assert_eq!(lines[0]["metadata"]["x-report-days"], "4");
 }

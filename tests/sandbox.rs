@@ -47,13 +47,14 @@ async fn dead_letter_reason(db: &TestDb, payload: &str, limits: HandlerLimits, e
             grants: grants(tables, &[], &[]),
             limits: effect_limits,
             policy: policy(1, 1),
+            key_retention: None,
         },
         db.store.clone(),
     ));
     drain(&db.store, std::slice::from_ref(&r)).await;
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "message must not be lost");
     assert_eq!(db.count("SELECT COUNT(*) FROM chaos_log"), 0, "no writes from a failed attempt");
-    let dead = db.store.dead_letter_list(None, 10).await.unwrap();
+    let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert_eq!(dead.len(), 1, "the message is kept in the dead-letter table");
     dead[0].reason.clone()
 }

@@ -163,6 +163,16 @@ tables = ["accounts", "orders"]
 connectors = ["charge"]
 workers = 2
 batch = 8
+
+# The three hosts also deliver the charge intents, to one file.
+[[connector]]
+name = "charge"
+kind = "file"
+path = "charges.jsonl"
+
+[outbox]
+workers = 1
+backoff_initial = "20ms"
 "#,
             guest("payments").display()
         ),
@@ -197,7 +207,7 @@ batch = 8
             .unwrap_or_else(|| panic!("no summary in {stdout}"));
         per_host.push(processed);
     }
-    check_payments_exactly_once(store.as_ref(), n, ACCOUNTS, BALANCE).await;
+    check_payments(store.as_ref(), n, ACCOUNTS, BALANCE, Some(&dir.path().join("charges.jsonl"))).await;
     assert_eq!(per_host.iter().sum::<u64>(), n as u64, "acks across hosts add up: {per_host:?}");
     assert!(
         per_host.iter().filter(|&&p| p > 0).count() >= 2,

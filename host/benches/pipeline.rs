@@ -5,7 +5,7 @@
 //! 2. the full pipeline on a SQLite file with the Wasm `payments` handler;
 //! 3. the same pipeline with the same logic as a native Rust handler
 //!    (Wasm/native = the sandbox's overhead);
-//! 4. a raw rusqlite loop doing the same lease, read, writes, outbox insert
+//! 4. a raw rusqlite loop doing the same lease, read, writes, outbox message
 //!    and delete per transaction with the same durability (onceq/raw = our
 //!    distance to the physical limit).
 //!
@@ -19,7 +19,7 @@ use onceq::protocol::{
 use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig};
 use onceq::schema::{Schema, TableSchema, ValidWrite};
 use onceq::store::sqlite::SqliteStore;
-use onceq::store::{IntentParams, Lease, SendParams, Store, StoreOptions, StoreResult, Transaction};
+use onceq::store::{Lease, SendParams, Store, StoreOptions, StoreResult, Transaction};
 use onceq::value::{Effect, Intent, Message, Row, RowWrite, Value, WriteOp};
 use std::path::Path;
 use std::sync::Arc;
@@ -54,7 +54,7 @@ impl Transaction for MemTx {
     }
     fn row_write(&mut self, _w: ValidWrite) {}
     fn message_enqueue(&mut self, _p: SendParams) {}
-    fn intent_insert(&mut self, _p: IntentParams) {}
+    fn dedup_hold(&mut self, _q: &str, _k: &str, _w: std::time::Duration) {}
     fn message_ack(&mut self, _l: &Lease) {}
     async fn commit(self: Box<Self>) -> StoreResult<()> {
         Ok(())
@@ -251,12 +251,29 @@ fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
                 .unwrap()
                 .execute(params![balance - amount, account])
                 .unwrap();
+            // The outbox: a message on the connector's queue, its key
+            // claimed in the dedup table (what onceq writes for an intent).
+            let intent_id = format!("{:032x}", rand::random::<u128>());
+            let key = format!("charge-{order}");
+            let claimed = tx
+                .prepare_cached(&format!(
+                    "INSERT INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES ('onceq.outbox.charge', ?1, ?2, {NOW} + 3153600000000000)
+                     ON CONFLICT (queue, dedup_key) DO NOTHING"
+                ))
+                .unwrap()
+                .execute(params![key, intent_id])
+                .unwrap();
+            assert_eq!(claimed, 1);
             tx.prepare_cached(&format!(
-                "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at)
-                 VALUES (?1, 'charge', ?2, ?3, '[]', 'payments', ?4, {NOW}, {NOW})"
+                "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+                 VALUES (?1, 'onceq.outbox.charge', ?2, ?3, 0, {NOW}, {NOW})"
             ))
             .unwrap()
-            .execute(params![format!("{:032x}", rand::random::<u128>()), format!("charge-{order}"), payload, id])
+            .execute(params![
+                intent_id,
+                payload,
+                serde_json::json!([["onceq.idempotency-key", key], ["onceq.source-message", id]]).to_string()
+            ])
             .unwrap();
             let gone = tx
                 .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
@@ -360,31 +377,60 @@ async fn raw_spanner(database: &str, n: usize) -> Run {
                 .run(move |tx: google_cloud_spanner::transaction::ReadWriteTransaction| {
                     let (order, account, id, token, payload) = (order.clone(), account.clone(), id.clone(), token.clone(), payload.clone());
                     async move {
-                        let mut rs = tx.execute_query(Statement::builder("SELECT balance FROM accounts WHERE id = @a").add_param("a", account.clone()).build()).await?;
+                        let mut rs = tx
+                            .execute_query(
+                                Statement::builder("SELECT balance FROM accounts WHERE id = @a")
+                                    .add_param("a", account.clone())
+                                    .build(),
+                            )
+                            .await?;
                         let now: i64 = rs.next().await.unwrap()?.get(0)?;
                         assert_eq!(now, balance);
                         tx.execute_update(
-                            Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
-                                .add_param("s", shard)
-                                .add_param("id", id.clone())
-                                .add_param("t", token)
-                                .build(),
+                            Statement::builder(
+                                "DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1",
+                            )
+                            .add_param("s", shard)
+                            .add_param("id", id.clone())
+                            .add_param("t", token)
+                            .build(),
+                        )
+                        .await?;
+                        // The outbox: a message on the connector's queue,
+                        // its key claimed in the dedup table.
+                        let intent_id = format!("{:032x}", rand::random::<u128>());
+                        let key = format!("charge-{order}");
+                        tx.execute_update(
+                            Statement::builder(format!(
+                                "INSERT INTO onceq_dedup (queue, dedup_key, message_id, expires_at)
+                                 VALUES ('onceq.outbox.charge', @k, @id, {NOW} + 3153600000000000)"
+                            ))
+                            .add_param("k", key.clone())
+                            .add_param("id", intent_id.clone())
+                            .build(),
                         )
                         .await?;
                         tx.execute_update(
                             Statement::builder(format!(
-                                "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at, attempt)
-                                 VALUES (@id, 'charge', @k, @p, '[]', 'payments', @src, {NOW}, {NOW}, 0)"
+                                "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+                                 VALUES (0, @id, 'onceq.outbox.charge', @p, @a, 0, {NOW}, {NOW})"
                             ))
-                            .add_param("id", format!("{:032x}", rand::random::<u128>()))
-                            .add_param("k", format!("charge-{order}"))
+                            .add_param("id", intent_id)
                             .add_param("p", payload)
-                            .add_param("src", id)
+                            .add_param(
+                                "a",
+                                serde_json::json!([["onceq.idempotency-key", key], ["onceq.source-message", id]]).to_string(),
+                            )
                             .build(),
                         )
                         .await?;
                         tx.buffer([
-                            Mutation::new_update_builder("accounts").set("id").to(account.clone()).set("balance").to(balance - amount).build(),
+                            Mutation::new_update_builder("accounts")
+                                .set("id")
+                                .to(account.clone())
+                                .set("balance")
+                                .to(balance - amount)
+                                .build(),
                             Mutation::new_insert_builder("orders")
                                 .set("id")
                                 .to(order.clone())
@@ -474,6 +520,7 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
             grants,
             limits: EffectLimits::default(),
             policy,
+            key_retention: None,
         },
         store.clone(),
     ));

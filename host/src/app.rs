@@ -2,6 +2,7 @@
 //! prints; everything testable lives here.
 
 use crate::config::{Config, QueueConfig};
+use crate::outbox;
 use crate::protocol::{self, HandleOutput, Handler, QueueRunner, QueueSpec, ReadScope};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
 use crate::store::{self, SendOutcome, SendParams, Store};
@@ -37,10 +38,11 @@ pub fn check_grants(q: &QueueConfig, store: &dyn Store) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Load every queue's handler and build its runner.
+/// Load every queue's handler and build its runner, then one outbox runner
+/// per configured connector.
 pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
-    if cfg.queues.is_empty() {
-        bail!("no [[queue]] configured: nothing to run");
+    if cfg.queues.is_empty() && cfg.connectors.is_empty() {
+        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
     }
     runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
     let mut out = Vec::new();
@@ -57,11 +59,39 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
                 grants: q.grants.clone(),
                 limits: q.effect_limits,
                 policy: q.policy.clone(),
+                key_retention: None,
             },
             store.clone(),
         )));
     }
+    out.extend(build_outbox_runners(cfg, store)?);
     Ok(out)
+}
+
+/// One runner per configured connector, working its outbox queue.
+pub fn build_outbox_runners(cfg: &Config, store: &Arc<dyn Store>) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
+    let mut out = Vec::new();
+    for (name, c) in &cfg.connectors {
+        let connector = c.build(name)?;
+        tracing::info!(connector = %name, kind = c.kind(), queue = %outbox::queue_of(name), "outbox dispatcher ready");
+        out.push(Arc::new(outbox::runner(store.clone(), name, connector, &cfg.outbox)));
+    }
+    Ok(out)
+}
+
+/// How often `onceq run` forgets expired dedup keys (producer keys past the
+/// window, delivered intents' keys past the retention).
+pub const PURGE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+async fn purge_loop(store: Arc<dyn Store>) {
+    loop {
+        match store.dedup_purge().await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!("forgot {n} expired dedup keys"),
+            Err(e) => tracing::warn!("purging expired dedup keys failed (will retry): {e}"),
+        }
+        tokio::time::sleep(crate::protocol::jittered(PURGE_EVERY)).await;
+    }
 }
 
 /// A future that resolves on SIGINT or SIGTERM.
@@ -101,8 +131,10 @@ pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<Queu
         let _ = signal_tx.send(true);
     });
     tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
+    let purge = tokio::spawn(purge_loop(store.clone()));
     protocol::run_queues(store, runners.clone(), tx, until_empty).await;
     signals.abort();
+    purge.abort();
     Ok(runners)
 }
 
@@ -235,4 +267,125 @@ pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: V
     };
     tx.rollback().await;
     Ok(out)
+}
+
+/// An intent as `onceq outbox list|show` prints it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OutboxEntry {
+    /// "pending" (waiting for a delivery or a retry), "in-flight" (leased
+    /// by a dispatcher) or "dead" (refused, or out of attempts).
+    pub state: &'static str,
+    #[serde(flatten)]
+    pub intent: outbox::Intent,
+    pub payload: String,
+    /// Database time (µs) of the emission.
+    pub created_at: i64,
+    /// Pending: when the next delivery may start (µs); dead: when it died.
+    pub at: i64,
+    /// Why the last delivery failed (pending), or why it is dead.
+    pub reason: Option<String>,
+}
+
+fn entry_from_queued(m: &store::QueuedMessage) -> Option<OutboxEntry> {
+    let intent = outbox::Intent::from_queued(m)?;
+    Some(OutboxEntry {
+        state: if m.leased { "in-flight" } else { "pending" },
+        payload: intent.payload_text(),
+        intent,
+        created_at: m.enqueued_at,
+        at: m.visible_at,
+        reason: m.last_error.clone(),
+    })
+}
+
+fn entry_from_dead(d: &store::DeadLetter) -> Option<OutboxEntry> {
+    let intent = outbox::Intent::from_dead_letter(d)?;
+    Some(OutboxEntry {
+        state: "dead",
+        payload: intent.payload_text(),
+        intent,
+        created_at: d.enqueued_at,
+        at: d.failed_at,
+        reason: Some(d.reason.clone()),
+    })
+}
+
+/// `onceq outbox list`: undelivered intents (pending and in flight, oldest
+/// first), then dead ones (newest first); of one connector, or all.
+pub async fn outbox_list(store: &dyn Store, connector: Option<&str>, dead_only: bool, limit: usize) -> anyhow::Result<Vec<OutboxEntry>> {
+    let queue = connector.map(outbox::queue_of);
+    let sel = match &queue {
+        Some(q) => store::Queues::Named(q),
+        None => store::Queues::Prefix(outbox::QUEUE_PREFIX),
+    };
+    let mut out = Vec::new();
+    if !dead_only {
+        out.extend(store.message_list(sel, limit).await?.iter().filter_map(entry_from_queued));
+    }
+    let room = limit.saturating_sub(out.len());
+    if room > 0 {
+        out.extend(store.dead_letter_list(sel, room).await?.iter().filter_map(entry_from_dead));
+    }
+    Ok(out)
+}
+
+/// `onceq outbox show ID`.
+pub async fn outbox_get(store: &dyn Store, id: &str) -> anyhow::Result<OutboxEntry> {
+    if let Some(e) = store.message_get(id).await?.as_ref().and_then(entry_from_queued) {
+        return Ok(e);
+    }
+    if let Some(e) = store.dead_letter_get(id).await?.as_ref().and_then(entry_from_dead) {
+        return Ok(e);
+    }
+    bail!("no undelivered intent with id {id} (delivered intents leave the outbox; their keys are kept for the retention window)")
+}
+
+/// `onceq outbox replay ID`: put a dead intent back in its outbox (same key,
+/// attempts reset). Returns the entry as it was.
+pub async fn outbox_replay(store: &dyn Store, id: &str) -> anyhow::Result<OutboxEntry> {
+    let entry = outbox_get(store, id).await?;
+    if entry.state != "dead" {
+        bail!("intent {id} is {}: only dead intents can be replayed", entry.state);
+    }
+    store
+        .dead_letter_replay(id)
+        .await?
+        .with_context(|| format!("intent {id} was replayed or removed meanwhile"))?;
+    Ok(entry)
+}
+
+/// Outbox figures per connector, for `onceq stats`.
+#[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
+pub struct OutboxStats {
+    pub connector: String,
+    /// Waiting for a first delivery or a retry.
+    pub pending: u64,
+    /// Being delivered now.
+    pub in_flight: u64,
+    /// Refused or out of attempts.
+    pub dead: u64,
+    /// Delivered, key still kept for the retention window.
+    pub delivered_retained: u64,
+}
+
+/// Split store stats into message queues and outbox connectors.
+pub fn outbox_stats(stats: &store::Stats) -> (Vec<store::QueueStats>, Vec<OutboxStats>) {
+    let mut queues = Vec::new();
+    let mut connectors = Vec::new();
+    for q in &stats.queues {
+        match outbox::connector_of(&q.queue) {
+            None => queues.push(q.clone()),
+            Some(c) => {
+                let undelivered = q.ready + q.delayed + q.leased + q.dead;
+                connectors.push(OutboxStats {
+                    connector: c.to_string(),
+                    pending: q.ready + q.delayed,
+                    in_flight: q.leased,
+                    dead: q.dead,
+                    delivered_retained: q.dedup_keys.saturating_sub(undelivered),
+                });
+            }
+        }
+    }
+    (queues, connectors)
 }

@@ -4,6 +4,7 @@
 //! keys are errors (a typo must not silently fall back to a default).
 //! Relative paths are relative to the config file's folder.
 
+use crate::outbox::{ConnectorConfig, OutboxSettings};
 use crate::protocol::{EffectLimits, Grants, Policy};
 use crate::runtime::{HandlerLimits, RuntimeConfig};
 use crate::store::StoreOptions;
@@ -79,6 +80,31 @@ struct RawQueue {
     max_effect_bytes: Option<String>,
 }
 
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOutbox {
+    workers: Option<usize>,
+    batch: Option<usize>,
+    lease: Option<String>,
+    max_attempts: Option<u32>,
+    backoff_initial: Option<String>,
+    backoff_max: Option<String>,
+    retention: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConnector {
+    name: String,
+    kind: String,
+    url: Option<String>,
+    timeout: Option<String>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+    bearer_token_env: Option<String>,
+    path: Option<PathBuf>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -95,6 +121,10 @@ struct RawConfig {
     defaults: RawSettings,
     #[serde(default, rename = "queue")]
     queues: Vec<RawQueue>,
+    #[serde(default)]
+    outbox: RawOutbox,
+    #[serde(default, rename = "connector")]
+    connectors: Vec<RawConnector>,
 }
 
 /// One queue, resolved.
@@ -117,6 +147,67 @@ pub struct Config {
     pub store_options: StoreOptions,
     pub runtime: RuntimeConfig,
     pub queues: Vec<QueueConfig>,
+    /// How outbox queues are worked.
+    pub outbox: OutboxSettings,
+    /// Connectors by name, in file order.
+    pub connectors: Vec<(String, ConnectorConfig)>,
+}
+
+/// Default whole-request timeout of a `webhook` connector.
+pub const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn parse_connector(c: &RawConnector, base: &Path) -> anyhow::Result<ConnectorConfig> {
+    let name = &c.name;
+    let refuse = |key: &str, set: bool| -> anyhow::Result<()> {
+        if set {
+            bail!("connector {name}: {key} is not a setting of kind {}", c.kind);
+        }
+        Ok(())
+    };
+    Ok(match c.kind.as_str() {
+        "webhook" => {
+            refuse("path", c.path.is_some())?;
+            ConnectorConfig::Webhook {
+                url: c
+                    .url
+                    .clone()
+                    .with_context(|| format!("connector {name}: kind webhook needs a url"))?,
+                timeout: match &c.timeout {
+                    Some(t) => parse_duration(&format!("connector {name}: timeout"), t)?,
+                    None => WEBHOOK_TIMEOUT,
+                },
+                headers: c.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                bearer_token_env: c.bearer_token_env.clone(),
+            }
+        }
+        "file" => {
+            refuse("url", c.url.is_some())?;
+            refuse("timeout", c.timeout.is_some())?;
+            refuse("headers", !c.headers.is_empty())?;
+            refuse("bearer_token_env", c.bearer_token_env.is_some())?;
+            ConnectorConfig::File {
+                path: resolve(
+                    base,
+                    c.path
+                        .as_deref()
+                        .with_context(|| format!("connector {name}: kind file needs a path"))?,
+                ),
+            }
+        }
+        "log" => {
+            refuse("url", c.url.is_some())?;
+            refuse("timeout", c.timeout.is_some())?;
+            refuse("headers", !c.headers.is_empty())?;
+            refuse("bearer_token_env", c.bearer_token_env.is_some())?;
+            refuse("path", c.path.is_some())?;
+            ConnectorConfig::Log
+        }
+        other => bail!("connector {name}: unknown kind {other:?} (use \"webhook\", \"file\" or \"log\")"),
+    })
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
 }
 
 /// Parse `"10s"`, `"250ms"`, `"5m"`.
@@ -201,13 +292,11 @@ impl Config {
         let d = &raw.defaults;
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
-            if q.name.is_empty()
-                || !q
-                    .name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-            {
+            if !valid_name(&q.name) {
                 bail!("queue name {:?}: use letters, digits, '-', '_' or '.'", q.name);
+            }
+            if q.name.starts_with(crate::outbox::RESERVED_PREFIX) {
+                bail!("queue name {:?}: names starting with \"onceq.\" are reserved", q.name);
             }
             if queues.iter().any(|o| o.name == q.name) {
                 bail!("queue {} is configured twice", q.name);
@@ -272,12 +361,62 @@ impl Config {
                 effect_limits,
             });
         }
+        let mut connectors: Vec<(String, ConnectorConfig)> = Vec::new();
+        for c in &raw.connectors {
+            if !valid_name(&c.name) {
+                bail!("connector name {:?}: use letters, digits, '-', '_' or '.'", c.name);
+            }
+            if connectors.iter().any(|(n, _)| *n == c.name) {
+                bail!("connector {} is configured twice", c.name);
+            }
+            connectors.push((c.name.clone(), parse_connector(c, base)?));
+        }
+        for q in &queues {
+            for c in &q.grants.connectors {
+                if !connectors.iter().any(|(n, _)| n == c) {
+                    bail!(
+                        "queue {} is granted connector {c}, but no [[connector]] named {c} is configured (connectors: {})",
+                        q.name,
+                        if connectors.is_empty() {
+                            "none".to_string()
+                        } else {
+                            connectors.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+                        }
+                    );
+                }
+            }
+        }
+        let o = &raw.outbox;
+        let od = OutboxSettings::default();
+        let odur = |k: &str, v: &Option<String>, def: Duration| -> anyhow::Result<Duration> {
+            match v {
+                Some(s) => parse_duration(&format!("outbox.{k}"), s),
+                None => Ok(def),
+            }
+        };
+        let outbox = OutboxSettings {
+            workers: o.workers.unwrap_or(od.workers),
+            batch: o.batch.unwrap_or(od.batch),
+            lease: odur("lease", &o.lease, od.lease)?,
+            max_attempts: o.max_attempts.unwrap_or(od.max_attempts).max(1),
+            backoff_initial: odur("backoff_initial", &o.backoff_initial, od.backoff_initial)?,
+            backoff_max: odur("backoff_max", &o.backoff_max, od.backoff_max)?,
+            retention: odur("retention", &o.retention, od.retention)?,
+        };
+        if outbox.workers == 0 || outbox.batch == 0 {
+            bail!("outbox.workers and outbox.batch must be at least 1");
+        }
+        if outbox.lease < Duration::from_millis(100) {
+            bail!("outbox.lease must be at least 100ms");
+        }
         Ok(Config {
             store,
             schema,
             store_options,
             runtime,
             queues,
+            outbox,
+            connectors,
         })
     }
 
@@ -303,7 +442,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
     #[test]
@@ -373,5 +512,68 @@ mod tests {
             "exceeds runtime.max_memory",
         );
         bad("store = \"x\"\n[sqlite]\nsynchronous = \"sometimes\"", "sqlite.synchronous");
+        bad("store = \"x\"\n[[queue]]\nname = \"onceq.x\"\nhandler = \"h\"", "reserved");
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nconnectors = [\"charge\"]",
+            "no [[connector]] named charge is configured (connectors: none)",
+        );
+        bad(
+            "store = \"x\"\n[[connector]]\nname = \"c\"\nkind = \"webhook\"",
+            "kind webhook needs a url",
+        );
+        bad(
+            "store = \"x\"\n[[connector]]\nname = \"c\"\nkind = \"file\"\npath = \"p\"\nurl = \"http://x\"",
+            "url is not a setting of kind file",
+        );
+        bad(
+            "store = \"x\"\n[[connector]]\nname = \"c\"\nkind = \"kafka\"",
+            "unknown kind \"kafka\"",
+        );
+        bad("store = \"x\"\n[outbox]\nretention = \"forever\"", "outbox.retention");
+        bad("store = \"x\"\n[outbox]\nworkers = 0", "outbox.workers");
+    }
+
+    #[test]
+    fn connectors_and_outbox_settings_parse() {
+        let cfg = Config::parse(
+            r#"
+            store = "x.db"
+            [outbox]
+            workers = 2
+            retention = "1h"
+            [[connector]]
+            name = "charge"
+            kind = "webhook"
+            url = "https://payments.example/charges"
+            timeout = "3s"
+            headers = { "X-Team" = "payments" }
+            [[connector]]
+            name = "audit"
+            kind = "file"
+            path = "out/audit.jsonl"
+            [[queue]]
+            name = "payments"
+            handler = "p.wasm"
+            connectors = ["charge", "audit"]
+            "#,
+            Path::new("/base"),
+        )
+        .unwrap();
+        assert_eq!((cfg.outbox.workers, cfg.outbox.retention), (2, Duration::from_secs(3600)));
+        assert_eq!(cfg.outbox.max_attempts, OutboxSettings::default().max_attempts);
+        match &cfg.connectors[0] {
+            (n, ConnectorConfig::Webhook { url, timeout, headers, .. }) => {
+                assert_eq!(
+                    (n.as_str(), url.as_str(), *timeout),
+                    ("charge", "https://payments.example/charges", Duration::from_secs(3))
+                );
+                assert_eq!(headers, &vec![("X-Team".to_string(), "payments".to_string())]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match &cfg.connectors[1] {
+            (_, ConnectorConfig::File { path }) => assert_eq!(path, &PathBuf::from("/base/out/audit.jsonl")),
+            other => panic!("unexpected {other:?}"),
+        }
     }
 }

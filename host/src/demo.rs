@@ -5,11 +5,12 @@
 
 use crate::app;
 use crate::config::Config;
+use crate::outbox;
 use crate::protocol::{self, QueueRunner};
 use crate::runtime::Runtime;
 use crate::schema::Schema;
 use crate::store::faulty::{FaultPlan, FaultyStore};
-use crate::store::{SendParams, Store};
+use crate::store::{Queues, SendParams, Store};
 use crate::value::{Row, Value, WriteOp};
 use anyhow::Context;
 use rand::{RngExt, SeedableRng};
@@ -93,6 +94,17 @@ connectors = ["charge"]
 name = "inventory"
 handler = "{guests}/inventory.wasm"
 tables = ["items", "reservations"]
+
+# Charge intents are delivered after commit, at least once, with their key.
+[[connector]]
+name = "charge"
+kind = "file"
+path = "charges.jsonl"
+
+[outbox]
+workers = 2
+backoff_initial = "50ms"
+backoff_max = "1s"
 "#,
         dir = args.dir.display(),
         store = if args.store == "sqlite" {
@@ -263,12 +275,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             before_commit: args.faults / 2.0,
             limit: None,
             seed: args.seed,
+            renewals_fail: false,
         },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
     let runtime = Runtime::new(cfg.runtime.clone())?;
     let runners = app::build_runners(&cfg, &store, &runtime)?;
 
+    let (queues, dispatchers): (Vec<_>, Vec<_>) = runners.iter().cloned().partition(|r| outbox::connector_of(&r.spec.name).is_none());
     let bar = indicatif::ProgressBar::new(args.messages as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} messages  {per_sec}  eta {eta}")
@@ -284,30 +298,60 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let _ = signal_tx.send(true);
     });
     while !run.is_finished() {
-        bar.set_position(runners.iter().map(|r| r.metrics.finished()).sum());
+        bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     run.await?;
     signals.abort();
     let elapsed = started.elapsed();
-    bar.set_position(runners.iter().map(|r| r.metrics.finished()).sum());
+    bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
     bar.finish();
 
-    summarize(&runners, base.as_ref(), &expected, elapsed, fault_counts.total(), args.messages).await
+    let charges = read_charges(&args.dir.join("charges.jsonl"))?;
+    let outcome = Outcome {
+        queues: &queues,
+        dispatchers: &dispatchers,
+        elapsed,
+        faults: fault_counts.total(),
+        sent: args.messages,
+        charges,
+    };
+    summarize(&outcome, base.as_ref(), &expected).await
+}
+
+/// The idempotency keys in the `charge` connector's file, one per line
+/// (a key appears more than once when a delivery was repeated).
+fn read_charges(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).with_context(|| format!("{}: a line is not JSON", path.display()))?;
+            Ok(v["idempotency_key"].as_str().unwrap_or_default().to_string())
+        })
+        .collect()
+}
+
+struct Outcome<'a> {
+    queues: &'a [Arc<QueueRunner>],
+    dispatchers: &'a [Arc<QueueRunner>],
+    elapsed: Duration,
+    faults: u64,
+    sent: usize,
+    /// Keys delivered to the charge file, with repeats.
+    charges: Vec<String>,
 }
 
 fn sum(runners: &[Arc<QueueRunner>], f: impl Fn(&protocol::Metrics) -> u64) -> u64 {
     runners.iter().map(|r| f(&r.metrics)).sum()
 }
 
-async fn summarize(
-    runners: &[Arc<QueueRunner>],
-    store: &dyn Store,
-    expected: &Expected,
-    elapsed: Duration,
-    faults: u64,
-    sent: usize,
-) -> anyhow::Result<ExitCode> {
+async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> anyhow::Result<ExitCode> {
+    let (runners, elapsed, faults, sent) = (o.queues, o.elapsed, o.faults, o.sent);
     let processed = sum(runners, |m| m.processed.load(Relaxed));
     let already = sum(runners, |m| m.already_committed.load(Relaxed));
     let dead = sum(runners, |m| m.dead_lettered.load(Relaxed));
@@ -336,7 +380,6 @@ async fn summarize(
     let orders = store.table_rows("orders").await?;
     let items = store.table_rows("items").await?;
     let reservations = store.table_rows("reservations").await?;
-    let outbox = store.outbox_list(usize::MAX).await?;
     let stats = store.stats().await?;
     let balances: i64 = accounts.iter().map(|r| int(r, "balance")).sum();
     let charged: Vec<&Row> = orders.iter().filter(|r| text(r, "status") == "charged").collect();
@@ -347,17 +390,29 @@ async fn summarize(
         .filter(|r| text(r, "status") == "reserved")
         .map(|r| int(r, "qty"))
         .sum();
-    let charge_keys: std::collections::BTreeSet<&str> = outbox
-        .iter()
-        .filter(|i| i.connector == "charge")
-        .map(|i| i.idempotency_key.as_str())
-        .collect();
-    let every_charge_has_intent = charged
+    let charge_keys: std::collections::BTreeSet<&str> = o.charges.iter().map(String::as_str).collect();
+    let every_charge_delivered = charged
         .iter()
         .all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
-    println!("  intents in the outbox      {}", outbox.len());
+    let delivered = sum(o.dispatchers, |m| m.processed.load(Relaxed) + m.already_committed.load(Relaxed));
+    println!(
+        "  intents written            {}   (delivered {delivered}; {} repeated deliveries, same key)",
+        sum(runners, |m| m.intents.load(Relaxed)),
+        o.charges.len() - charge_keys.len()
+    );
     let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
-    let dead_in_table: u64 = stats.queues.iter().map(|q| q.dead).sum();
+    let dead_in_table: u64 = stats
+        .queues
+        .iter()
+        .filter(|q| outbox::connector_of(&q.queue).is_none())
+        .map(|q| q.dead)
+        .sum();
+    let dead_intents: u64 = stats
+        .queues
+        .iter()
+        .filter(|q| outbox::connector_of(&q.queue).is_some())
+        .map(|q| q.dead)
+        .sum();
 
     let checks = [
         (
@@ -377,11 +432,11 @@ async fn summarize(
         ),
         (
             format!(
-                "one charge intent per charged order: {} intents, {} charged",
+                "one charge delivered per charged order: {} keys in charges.jsonl, {} charged, {dead_intents} undeliverable",
                 charge_keys.len(),
                 charged.len()
             ),
-            charge_keys.len() == charged.len() && every_charge_has_intent,
+            charge_keys.len() == charged.len() && every_charge_delivered && dead_intents == 0,
         ),
         (
             format!(
@@ -417,7 +472,7 @@ async fn summarize(
         ok &= pass;
         println!("  {} {what}", if *pass { "ok  " } else { "FAIL" });
     }
-    if let Some(d) = store.dead_letter_list(None, 1).await?.first() {
+    if let Some(d) = store.dead_letter_list(Queues::All, 1).await?.first() {
         println!();
         println!("  e.g. dead letter {}: {}", d.id, d.reason);
     }

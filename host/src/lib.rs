@@ -10,6 +10,8 @@
 //!   outcomes for tests.
 //! - [`protocol`]: lease -> handle -> apply + ack -> commit, re-runs, retries
 //!   and dead-lettering. No Wasm in here: it drives any `Handler`.
+//! - [`outbox`]: intents delivered after commit through connectors
+//!   (webhook, file, log): outbox queues worked by the same protocol.
 //! - [`runtime`]: wasmtime engine, component validation, the deterministic
 //!   WASI subset, per-message instances and limits. `WasmHandler` is a
 //!   `Handler`.
@@ -21,6 +23,7 @@
 pub mod app;
 pub mod config;
 pub mod demo;
+pub mod outbox;
 pub mod protocol;
 pub mod runtime;
 pub mod schema;

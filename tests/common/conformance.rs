@@ -5,8 +5,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::wait_until;
+use onceq::outbox;
 use onceq::schema::TableSchema;
-use onceq::store::{DeadLetterParams, IntentParams, LeaseParams, SendOutcome, SendParams, Store, StoreError};
+use onceq::store::{DeadLetterParams, LeaseParams, Queues, SendOutcome, SendParams, Store, StoreError};
 use onceq::value::{RowWrite, Value, WriteOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -165,7 +166,7 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
     .await
     .unwrap();
     assert!(lease(s, "q", 1, 10_000).await.is_empty());
-    let dead = s.dead_letter_list(Some("q"), 10).await.unwrap();
+    let dead = s.dead_letter_list(Queues::Named("q"), 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     let d = &dead[0];
     assert_eq!(
@@ -372,14 +373,7 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     ack(s, &m.lease).await.unwrap();
     let mut tx = s.transaction_begin().await.unwrap();
     tx.row_write(w(WriteOp::Insert, "ghost", 1, Some("must not exist")));
-    tx.intent_insert(IntentParams {
-        connector: "c".into(),
-        idempotency_key: "ghost".into(),
-        payload: vec![],
-        metadata: vec![],
-        source_queue: "q".into(),
-        source_message_id: m.message.id.clone(),
-    });
+    tx.message_enqueue(outbox::intent_message(&m.message, intent("c", "ghost")));
     tx.message_ack(&m.lease);
     assert!(matches!(tx.commit().await, Err(StoreError::LeaseLost { .. })));
     assert_eq!(
@@ -387,7 +381,7 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
         6,
         "nothing of the failed transaction is visible"
     );
-    assert!(s.outbox_list(10).await.unwrap().is_empty());
+    assert!(s.message_list(Queues::Prefix(outbox::QUEUE_PREFIX), 10).await.unwrap().is_empty());
     // a conflicting write between read and commit aborts the reader
     let mut reader = s.transaction_begin().await.unwrap();
     reader.row_get(&pairs, &[Value::String("y".into()), Value::Int64(0)]).await.unwrap();
@@ -398,33 +392,91 @@ pub async fn writes_scans_and_atomicity(store: Arc<dyn Store>) {
     assert!(matches!(reader.commit().await, Err(StoreError::Aborted(_))));
 }
 
-pub async fn outbox_intents(store: Arc<dyn Store>) {
-    let s = store.as_ref();
-    let intent = |k: &str| IntentParams {
-        connector: "charge".into(),
-        idempotency_key: k.into(),
+fn intent(connector: &str, key: &str) -> onceq::value::Intent {
+    onceq::value::Intent {
+        connector: connector.into(),
+        idempotency_key: key.into(),
         payload: br#"{"amount": 5}"#.to_vec(),
         metadata: vec![("m".into(), "1".into())],
-        source_queue: "payments".into(),
-        source_message_id: "m-1".into(),
+    }
+}
+
+fn source() -> onceq::value::Message {
+    onceq::value::Message {
+        id: "m-1".into(),
+        queue: "payments".into(),
+        payload: vec![],
+        attributes: vec![],
+        attempt: 1,
+        enqueued_at: 0,
+    }
+}
+
+/// Intents are outbox-queue messages: emitted in the message's transaction,
+/// deduplicated by key while undelivered, and after delivery for the
+/// retention window only.
+pub async fn outbox_intents(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    let emit = |keys: &[&str]| {
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        async move {
+            let mut tx = s.transaction_begin().await.unwrap();
+            for k in &keys {
+                tx.message_enqueue(outbox::intent_message(&source(), intent("charge", k)));
+            }
+            tx.commit().await.unwrap();
+        }
     };
+    emit(&["k1", "k2"]).await;
+    emit(&["k1"]).await;
     let mut tx = s.transaction_begin().await.unwrap();
-    tx.intent_insert(intent("k1"));
-    tx.intent_insert(intent("k2"));
-    tx.commit().await.unwrap();
-    let mut tx = s.transaction_begin().await.unwrap();
-    tx.intent_insert(intent("k1"));
-    tx.commit().await.unwrap();
-    let mut tx = s.transaction_begin().await.unwrap();
-    tx.intent_insert(intent("rolled-back"));
+    tx.message_enqueue(outbox::intent_message(&source(), intent("charge", "rolled-back")));
     tx.rollback().await;
-    let list = s.outbox_list(10).await.unwrap();
-    let keys: Vec<&str> = list.iter().map(|i| i.idempotency_key.as_str()).collect();
-    assert_eq!(keys.len(), 2, "{keys:?}");
-    assert!(
-        keys.contains(&"k1") && keys.contains(&"k2"),
-        "a re-emitted key is kept once; a rolled-back one never appears"
+    let queued = s.message_list(Queues::Prefix(outbox::QUEUE_PREFIX), 10).await.unwrap();
+    let intents: Vec<outbox::Intent> = queued.iter().filter_map(outbox::Intent::from_queued).collect();
+    let mut keys: Vec<&str> = intents.iter().map(|i| i.idempotency_key.as_str()).collect();
+    keys.sort();
+    assert_eq!(keys, ["k1", "k2"], "a re-emitted key is kept once; a rolled-back one never appears");
+    let k1 = intents.iter().find(|i| i.idempotency_key == "k1").unwrap();
+    assert_eq!((k1.connector.as_str(), k1.payload_text().as_str()), ("charge", r#"{"amount": 5}"#));
+    assert_eq!(
+        k1.metadata,
+        vec![("m".to_string(), "1".to_string())],
+        "onceq's own attributes are not metadata"
     );
-    assert_eq!(list[0].payload_text, r#"{"amount": 5}"#);
-    assert_eq!(s.stats().await.unwrap().outbox_pending, 2);
+    assert_eq!((k1.source_queue.as_str(), k1.source_message_id.as_str()), ("payments", "m-1"));
+    let got = s.message_get(&k1.id).await.unwrap().expect("message_get finds an intent by id");
+    assert_eq!(got.queue, outbox::queue_of("charge"));
+    assert!(s.message_get("no-such-id").await.unwrap().is_none());
+    let q = outbox::queue_of("charge");
+    let stats = s.stats().await.unwrap();
+    let st = stats.queues.iter().find(|x| x.queue == q).unwrap();
+    assert_eq!((st.ready, st.dedup_keys), (2, 2));
+
+    // Delivered (the dispatcher's ack): the key is kept for the retention
+    // window only.
+    let retention = Duration::from_millis(1500);
+    let leased = lease(s, &q, 10, 10_000).await;
+    assert_eq!(leased.len(), 2);
+    for m in &leased {
+        let key = outbox::Intent::from_message(&m.message).unwrap().idempotency_key;
+        let mut tx = s.transaction_begin().await.unwrap();
+        tx.message_ack(&m.lease);
+        tx.dedup_hold(&q, &key, retention);
+        tx.commit().await.unwrap();
+    }
+    emit(&["k1"]).await;
+    assert!(
+        s.message_list(Queues::Named(&q), 10).await.unwrap().is_empty(),
+        "a delivered key emitted again within the retention window is dropped"
+    );
+    assert_eq!(s.dedup_purge().await.unwrap(), 0, "keys within retention are not purged");
+    tokio::time::sleep(retention + Duration::from_millis(300)).await;
+    assert_eq!(s.dedup_purge().await.unwrap(), 2, "both delivered keys purged after the retention");
+    emit(&["k1"]).await;
+    assert_eq!(
+        s.message_list(Queues::Named(&q), 10).await.unwrap().len(),
+        1,
+        "after the retention window the key is new again"
+    );
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod conformance;
+pub mod http;
 pub mod proxy;
 pub mod spanner;
 
@@ -128,9 +129,41 @@ pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, gr
             grants,
             limits: EffectLimits::default(),
             policy,
+            key_retention: None,
         },
         store.clone(),
     ))
+}
+
+/// Outbox settings for tests: short backoff, short leases.
+pub fn fast_outbox() -> onceq::outbox::OutboxSettings {
+    onceq::outbox::OutboxSettings {
+        workers: 2,
+        batch: 4,
+        lease: Duration::from_secs(5),
+        max_attempts: 10,
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        retention: Duration::from_secs(3600),
+    }
+}
+
+/// A dispatcher for `connector`'s outbox queue, delivering to a JSON-lines
+/// file.
+pub fn file_dispatcher(store: &Arc<dyn Store>, connector: &str, path: &Path) -> Arc<QueueRunner> {
+    let c = onceq::outbox::ConnectorConfig::File { path: path.to_path_buf() }
+        .build(connector)
+        .unwrap();
+    Arc::new(onceq::outbox::runner(store.clone(), connector, c, &fast_outbox()))
+}
+
+/// The lines of a `file` connector's output, parsed.
+pub fn file_lines(path: &Path) -> Vec<serde_json::Value> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => t.lines().map(|l| serde_json::from_str(l).unwrap()).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => vec![],
+        Err(e) => panic!("reading {}: {e}", path.display()),
+    }
 }
 
 /// Run the runners until their queues are drained (60 s at most).
@@ -211,10 +244,21 @@ fn str_col<'a>(row: &'a Row, name: &str) -> &'a str {
 
 /// The payments invariants through the `Store` trait (any backend): the
 /// queue drained, each order row exactly once, money conserved, one charge
-/// intent per charged order, keyed by its order id.
+/// intent per charged order, keyed by its order id (waiting in the outbox).
 pub async fn check_payments_exactly_once(store: &dyn Store, n: usize, accounts: usize, balance: i64) {
+    check_payments(store, n, accounts, balance, None).await
+}
+
+/// [`check_payments_exactly_once`], with the charges delivered by a `file`
+/// connector to `delivered` instead of waiting in the outbox.
+pub async fn check_payments(store: &dyn Store, n: usize, accounts: usize, balance: i64, delivered: Option<&Path>) {
     let stats = store.stats().await.unwrap();
-    let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
+    let left: u64 = stats
+        .queues
+        .iter()
+        .filter(|q| onceq::outbox::connector_of(&q.queue).is_none())
+        .map(|q| q.ready + q.leased + q.delayed)
+        .sum();
     assert_eq!(left, 0, "queue drained: {stats:?}");
     assert_eq!(stats.queues.iter().map(|q| q.dead).sum::<u64>(), 0, "nothing dead-lettered");
     let orders = store.table_rows("orders").await.unwrap();
@@ -233,9 +277,23 @@ pub async fn check_payments_exactly_once(store: &dyn Store, n: usize, accounts: 
         accounts as i64 * balance,
         "every debit applied exactly once"
     );
-    let intents = store.outbox_list(usize::MAX >> 2).await.unwrap();
-    assert_eq!(intents.len(), charged.len(), "one charge intent per charged order");
-    let keys: std::collections::BTreeSet<String> = intents.iter().map(|i| i.idempotency_key.clone()).collect();
+    let keys: std::collections::BTreeSet<String> = match delivered {
+        None => {
+            let intents = onceq::app::outbox_list(store, Some("charge"), false, usize::MAX >> 2)
+                .await
+                .unwrap();
+            assert_eq!(intents.len(), charged.len(), "one charge intent per charged order");
+            intents.iter().map(|i| i.intent.idempotency_key.clone()).collect()
+        }
+        Some(path) => {
+            let keys: std::collections::BTreeSet<String> = file_lines(path)
+                .iter()
+                .map(|l| l["idempotency_key"].as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(keys.len(), charged.len(), "one charge delivered per charged order");
+            keys
+        }
+    };
     for r in &charged {
         assert!(
             keys.contains(&format!("charge-{}", str_col(r, "id"))),

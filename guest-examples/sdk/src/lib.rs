@@ -223,6 +223,22 @@ impl FollowUp<'_> {
     }
 }
 
+/// An intent under construction; see [`Ctx::intent`].
+pub struct IntentBuilder<'a> {
+    ctx: &'a mut Ctx,
+    index: usize,
+}
+
+impl IntentBuilder<'_> {
+    /// Add a metadata entry (sent as an HTTP header by a webhook).
+    pub fn metadata(self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        if let Effect::Intent(i) = &mut self.ctx.effects[self.index] {
+            i.metadata.push((name.into(), value.into()));
+        }
+        self
+    }
+}
+
 /// The handler's view of the world for one message: reads, and the effects
 /// it has described so far.
 #[derive(Default)]
@@ -301,9 +317,13 @@ impl Ctx {
         FollowUp { ctx: self, index }
     }
 
-    /// Record an external side effect for the outbox. `key` must be derived
-    /// from the message (an order id, say), never from a random value.
-    pub fn intent(&mut self, connector: &str, key: impl Into<String>, payload: &impl serde::Serialize) {
+    /// Record an external side effect for the outbox: after the commit, the
+    /// host delivers `payload` through `connector`, at least once, always
+    /// with `key`. `key` must be derived from the message (an order id,
+    /// say), never from a random value, so a re-run emits the same key and
+    /// the receiver can drop repeats. Chain `.metadata(..)` on the result
+    /// (a webhook sends metadata as HTTP headers).
+    pub fn intent(&mut self, connector: &str, key: impl Into<String>, payload: &impl serde::Serialize) -> IntentBuilder<'_> {
         let bytes = serde_json::to_vec(payload).unwrap_or_else(|_| b"null".to_vec());
         self.effects.push(Effect::Intent(wit::ExternalIntent {
             connector: connector.to_string(),
@@ -311,6 +331,18 @@ impl Ctx {
             payload: bytes,
             metadata: Vec::new(),
         }));
+        let index = self.effects.len() - 1;
+        IntentBuilder { ctx: self, index }
+    }
+
+    /// Ack this message and continue later: enqueue `state` as a new
+    /// message on this message's queue, visible after `delay_ms`, in the
+    /// same transaction as the ack and this step's writes. A long job runs
+    /// as a chain of short steps, each checkpointing its progress: a crash
+    /// repeats at most the step in flight, never one already committed.
+    pub fn reschedule(&mut self, msg: &Message, delay_ms: u64, state: &impl serde::Serialize) -> FollowUp<'_> {
+        let queue = msg.queue.clone();
+        self.enqueue(&queue, state).delay_ms(delay_ms)
     }
 
     /// Write a line to the message's log on the host.

@@ -61,7 +61,8 @@ enum Command {
         #[arg(long)]
         until_empty: bool,
     },
-    /// Per-queue counts: ready, leased, delayed, dead; outbox backlog.
+    /// Per-queue counts (ready, leased, delayed, dead) and per-connector
+    /// outbox counts (pending, in flight, dead, delivered).
     Stats {
         #[arg(long)]
         json: bool,
@@ -70,6 +71,11 @@ enum Command {
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
+    },
+    /// Inspect undelivered intents and replay dead ones.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
     },
     /// Validate a component against the handler world; print its imports
     /// and exports.
@@ -91,6 +97,27 @@ enum Command {
     /// The `make run` demo: fresh database, example handlers, 10,000
     /// messages, a summary with invariant checks.
     Demo(onceq::demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Undelivered intents: pending and in flight (oldest first), then dead.
+    List {
+        /// Only this connector's intents.
+        #[arg(long)]
+        connector: Option<String>,
+        /// Only dead intents (refused, or out of attempts).
+        #[arg(long)]
+        dead: bool,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One undelivered intent, with its payload and last error.
+    Show { id: String },
+    /// Put a dead intent back in the outbox (same key, attempts reset).
+    Replay { id: String },
 }
 
 #[derive(Subcommand)]
@@ -196,6 +223,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             delay,
             attributes,
         } => {
+            if queue.starts_with(onceq::outbox::RESERVED_PREFIX) {
+                anyhow::bail!("queue {queue}: names starting with \"onceq.\" are reserved (intents come from handlers)");
+            }
             let store = app::open_store(&cfg).await?;
             let delay = match delay {
                 Some(d) => parse_duration("--delay", &d)?,
@@ -229,6 +259,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     attributes: attributes.clone(),
                     delay,
                     dedup_key: dedup_key.clone(),
+                    dedup_window: None,
                 })
                 .collect();
             let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
@@ -260,21 +291,47 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Stats { json } => {
             let store = app::open_store(&cfg).await?;
             let stats = store.stats().await?;
+            let (queues, outbox) = app::outbox_stats(&stats);
             if json {
-                println!("{}", serde_json::to_string_pretty(&stats)?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "queues": queues, "outbox": outbox }))?
+                );
             } else {
                 println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
-                for q in &stats.queues {
+                for q in &queues {
                     println!("{:<24} {:>8} {:>8} {:>8} {:>8}", q.queue, q.ready, q.leased, q.delayed, q.dead);
                 }
-                println!("outbox pending: {}", stats.outbox_pending);
+                if queues.is_empty() {
+                    println!("(no messages)");
+                }
+                println!();
+                println!(
+                    "{:<24} {:>8} {:>9} {:>8} {:>10}",
+                    "OUTBOX", "PENDING", "IN-FLIGHT", "DEAD", "DELIVERED"
+                );
+                for c in &outbox {
+                    println!(
+                        "{:<24} {:>8} {:>9} {:>8} {:>10}",
+                        c.connector, c.pending, c.in_flight, c.dead, c.delivered_retained
+                    );
+                }
+                if outbox.is_empty() {
+                    println!("(no intents)");
+                } else {
+                    println!("(DELIVERED: keys kept for the retention window, to drop duplicate emissions)");
+                }
             }
         }
         Command::Dlq { command } => {
             let store = app::open_store(&cfg).await?;
             match command {
                 DlqCommand::List { queue, limit, json } => {
-                    let list = store.dead_letter_list(queue.as_deref(), limit).await?;
+                    let sel = match &queue {
+                        Some(q) => onceq::store::Queues::Named(q),
+                        None => onceq::store::Queues::All,
+                    };
+                    let list = store.dead_letter_list(sel, limit).await?;
                     if json {
                         println!("{}", serde_json::to_string_pretty(&list)?);
                     } else {
@@ -294,6 +351,52 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
                     None => anyhow::bail!("no dead letter with id {id}"),
                 },
+            }
+        }
+        Command::Outbox { command } => {
+            let store = app::open_store(&cfg).await?;
+            match command {
+                OutboxCommand::List {
+                    connector,
+                    dead,
+                    limit,
+                    json,
+                } => {
+                    let list = app::outbox_list(store.as_ref(), connector.as_deref(), dead, limit).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&list)?);
+                    } else {
+                        println!(
+                            "{:<32}  {:<10} {:<12} {:<9} {:>8}  REASON",
+                            "ID", "STATE", "CONNECTOR", "KEY", "ATTEMPTS"
+                        );
+                        for e in &list {
+                            println!(
+                                "{:<32}  {:<10} {:<12} {:<9} {:>8}  {}",
+                                e.intent.id,
+                                e.state,
+                                e.intent.connector,
+                                e.intent.idempotency_key,
+                                e.intent.attempt,
+                                e.reason.as_deref().unwrap_or("")
+                            );
+                        }
+                        if list.is_empty() {
+                            println!("no undelivered intents");
+                        }
+                    }
+                }
+                OutboxCommand::Show { id } => {
+                    let e = app::outbox_get(store.as_ref(), &id).await?;
+                    println!("{}", serde_json::to_string_pretty(&e)?);
+                }
+                OutboxCommand::Replay { id } => {
+                    let e = app::outbox_replay(store.as_ref(), &id).await?;
+                    println!(
+                        "replayed intent {id} (connector {}, key {}): back in the outbox",
+                        e.intent.connector, e.intent.idempotency_key
+                    );
+                }
             }
         }
         Command::Try {

@@ -2,9 +2,13 @@
 //! grants (which tables, queues and connectors the queue's handler may
 //! use) and the schema. All effects are checked before any is buffered, so a
 //! bad one leaves the transaction untouched.
+//!
+//! An intent becomes a message on its connector's outbox queue
+//! ([`crate::outbox`]), enqueued in the same transaction as everything
+//! else, its idempotency key as the dedup key.
 
 use crate::schema::{Schema, ValidWrite};
-use crate::store::{IntentParams, SendParams, Transaction};
+use crate::store::{SendParams, Transaction};
 use crate::value::{Effect, Message};
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -47,7 +51,7 @@ pub struct EffectCounts {
 enum Checked {
     Write(ValidWrite),
     Enqueue(SendParams),
-    Intent(IntentParams),
+    Intent(SendParams),
 }
 
 /// Check every effect, then buffer them all into `tx`. On error nothing is
@@ -94,12 +98,19 @@ pub fn check_and_buffer(
                 if f.queue.is_empty() {
                     return Err(format!("effect {i}: enqueue needs a queue name"));
                 }
+                if f.queue.starts_with(crate::outbox::RESERVED_PREFIX) {
+                    return Err(format!(
+                        "effect {i}: queue {} is reserved for onceq (emit an intent to reach a connector)",
+                        f.queue
+                    ));
+                }
                 Checked::Enqueue(SendParams {
                     queue: f.queue,
                     payload: f.payload,
                     attributes: f.attributes,
                     delay: Duration::from_millis(f.delay_ms.unwrap_or(0)),
                     dedup_key: f.dedup_key,
+                    dedup_window: None,
                 })
             }
             Effect::Intent(it) => {
@@ -115,14 +126,7 @@ pub fn check_and_buffer(
                         it.connector
                     ));
                 }
-                Checked::Intent(IntentParams {
-                    connector: it.connector,
-                    idempotency_key: it.idempotency_key,
-                    payload: it.payload,
-                    metadata: it.metadata,
-                    source_queue: msg.queue.clone(),
-                    source_message_id: msg.id.clone(),
-                })
+                Checked::Intent(crate::outbox::intent_message(msg, it))
             }
         };
         checked.push(c);
@@ -140,7 +144,7 @@ pub fn check_and_buffer(
             }
             Checked::Intent(p) => {
                 counts.intents += 1;
-                tx.intent_insert(p)
+                tx.message_enqueue(p)
             }
         }
     }

@@ -24,6 +24,15 @@
 //!
 //! An error is never caught to commit "the rest": every path that does not
 //! reach a successful commit with its ack leaves the database as it was.
+//!
+//! **Long-running work.** While a worker holds a batch, it renews the
+//! leases of the messages not yet finished every third of the lease
+//! (`Store::message_lease_renew`: guarded by the token, one row), so a
+//! handler or a delivery slower than the lease is not handed to another
+//! worker. If a renewal finds the lease gone, or no renewal succeeds before
+//! the lease runs out, the message's work is cancelled (dropped: its
+//! transaction rolls back) unless its commit is already under way, in which
+//! case the commit's own guarded ack decides. Fast handlers never renew.
 
 pub mod effects;
 pub mod handler;
@@ -34,7 +43,7 @@ pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadScop
 use crate::store::{DeadLetterParams, LeaseParams, LeasedMessage, Store, StoreError};
 use rand::RngExt;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -84,6 +93,9 @@ pub struct QueueSpec {
     pub grants: Grants,
     pub limits: EffectLimits,
     pub policy: Policy,
+    /// Outbox queues: on ack, keep the message's idempotency key (its dedup
+    /// key) for this long, so a duplicate emission is dropped.
+    pub key_retention: Option<Duration>,
 }
 
 /// Counters for one queue (also what `make run` summarizes).
@@ -104,6 +116,10 @@ pub struct Metrics {
     pub lease_lost: AtomicU64,
     /// Released unprocessed at shutdown.
     pub released: AtomicU64,
+    /// Leases extended while their message waited or was being handled.
+    pub lease_renewals: AtomicU64,
+    /// Work cancelled because its lease was lost (or could not be renewed).
+    pub cancelled: AtomicU64,
     pub writes: AtomicU64,
     pub intents: AtomicU64,
     pub enqueued: AtomicU64,
@@ -202,6 +218,7 @@ impl QueueRunner {
             if *shutdown.borrow() {
                 break;
             }
+            let leased_at = Instant::now();
             let leased = self
                 .store
                 .message_lease(LeaseParams {
@@ -225,18 +242,87 @@ impl QueueRunner {
                 continue;
             }
             idle = Duration::from_millis(2);
-            let mut rest = batch.into_iter();
-            for lm in rest.by_ref() {
-                self.process(&lm).await;
-                if *shutdown.borrow() {
-                    break;
-                }
-            }
-            for lm in rest {
-                self.release(&lm).await;
-            }
+            self.process_batch(&batch, leased_at, &shutdown).await;
         }
         debug!(queue = %self.spec.name, worker = n, "worker stopped");
+    }
+
+    /// Process a leased batch in order, renewing the leases of the messages
+    /// not yet finished in the background; at shutdown, release the rest.
+    async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) {
+        let lost: Vec<AtomicBool> = batch.iter().map(|_| AtomicBool::new(false)).collect();
+        let mut renewed_at = leased_at;
+        for (i, lm) in batch.iter().enumerate() {
+            if *shutdown.borrow() {
+                for lm in &batch[i..] {
+                    self.release(lm).await;
+                }
+                return;
+            }
+            if lost[i].load(Ordering::Relaxed) {
+                self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
+                warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease lost while the message waited in its batch; skipped");
+                continue;
+            }
+            let committing = AtomicBool::new(false);
+            tokio::select! {
+                biased;
+                _ = self.process_tracked(lm, &committing) => {}
+                () = self.renew_leases(&batch[i..], &lost[i..], &mut renewed_at, &committing) => {
+                    self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    warn!(
+                        queue = %self.spec.name,
+                        message_id = %lm.message.id,
+                        "lease lost while the handler ran: work cancelled, nothing committed; the new lease holder will process it"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Renew the leases of `rest` (the current message first) every third
+    /// of the lease. Returns (to cancel the current message's work) once its
+    /// lease is lost or could not be renewed in time, unless its commit is
+    /// under way; otherwise runs until dropped.
+    async fn renew_leases(&self, rest: &[LeasedMessage], lost: &[AtomicBool], renewed_at: &mut Instant, committing: &AtomicBool) {
+        let lease = self.spec.policy.lease;
+        let mut next = *renewed_at + lease / 3;
+        loop {
+            tokio::time::sleep_until(next.into()).await;
+            let round = Instant::now();
+            let mut all_ok = true;
+            for (j, lm) in rest.iter().enumerate() {
+                if lost[j].load(Ordering::Relaxed) || (j == 0 && committing.load(Ordering::Acquire)) {
+                    continue;
+                }
+                match self.store.message_lease_renew(&lm.lease, lease).await {
+                    Ok(()) => {
+                        self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(StoreError::LeaseLost { .. }) => lost[j].store(true, Ordering::Relaxed),
+                    Err(e) => {
+                        all_ok = false;
+                        warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease renewal failed (will retry): {e}");
+                    }
+                }
+            }
+            if all_ok {
+                *renewed_at = round;
+                next = round + lease / 3;
+            } else if Instant::now() + lease / 10 >= *renewed_at + lease {
+                // No renewal in time: another worker may hold these now.
+                for l in lost {
+                    l.store(true, Ordering::Relaxed);
+                }
+                next = Instant::now() + lease / 3;
+            } else {
+                next = Instant::now() + lease / 12;
+            }
+            if lost[0].load(Ordering::Relaxed) && !committing.load(Ordering::Acquire) {
+                return;
+            }
+        }
     }
 
     async fn release(&self, lm: &LeasedMessage) {
@@ -250,6 +336,11 @@ impl QueueRunner {
 
     /// Process one leased message to its final outcome.
     pub async fn process(&self, lm: &LeasedMessage) -> Outcome {
+        self.process_tracked(lm, &AtomicBool::new(false)).await
+    }
+
+    /// [`Self::process`], setting `committing` while a commit is in flight.
+    async fn process_tracked(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Outcome {
         let span = info_span!(
             "message",
             messaging.system = "onceq",
@@ -261,7 +352,7 @@ impl QueueRunner {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let outcome = self.process_inner(lm).instrument(span.clone()).await;
+        let outcome = self.process_inner(lm, committing).instrument(span.clone()).await;
         span.record("outcome", tracing::field::debug(&outcome));
         let m = &self.metrics;
         match &outcome {
@@ -290,11 +381,11 @@ impl QueueRunner {
         outcome
     }
 
-    async fn process_inner(&self, lm: &LeasedMessage) -> Outcome {
+    async fn process_inner(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Outcome {
         let mut unknown_seen = false;
         let mut reruns = 0u32;
         loop {
-            let err = match self.attempt(lm).await {
+            let err = match self.attempt(lm, committing).await {
                 Ok(()) => return Outcome::Acked,
                 Err(e) => e,
             };
@@ -336,7 +427,7 @@ impl QueueRunner {
     }
 
     /// One run of steps 2-4.
-    async fn attempt(&self, lm: &LeasedMessage) -> Result<(), AttemptError> {
+    async fn attempt(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Result<(), AttemptError> {
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone());
@@ -367,7 +458,15 @@ impl QueueRunner {
             }
         };
         tx.message_ack(&lm.lease);
-        tx.commit().await.map_err(AttemptError::Store)?;
+        if let Some(retention) = self.spec.key_retention {
+            if let Some((_, key)) = lm.message.attributes.iter().find(|(k, _)| k == crate::outbox::KEY_ATTRIBUTE) {
+                tx.dedup_hold(&lm.message.queue, key, retention);
+            }
+        }
+        committing.store(true, Ordering::Release);
+        let committed = tx.commit().await;
+        committing.store(false, Ordering::Release);
+        committed.map_err(AttemptError::Store)?;
         let m = &self.metrics;
         m.writes.fetch_add(counts.writes, Ordering::Relaxed);
         m.intents.fetch_add(counts.intents, Ordering::Relaxed);

@@ -24,6 +24,9 @@ pub struct FaultPlan {
     pub before_commit: f64,
     /// Stop injecting after this many faults (`None`: never stop).
     pub limit: Option<u64>,
+    /// Every lease renewal fails with `Unavailable` (a worker cut off from
+    /// the database while its handler runs).
+    pub renewals_fail: bool,
     /// RNG seed, so a failing run can be replayed.
     pub seed: u64,
 }
@@ -33,6 +36,8 @@ pub struct FaultPlan {
 pub struct FaultCounts {
     pub after_commit: AtomicU64,
     pub before_commit: AtomicU64,
+    /// Lease renewals refused (`renewals_fail`).
+    pub renewals: AtomicU64,
 }
 
 impl FaultCounts {
@@ -108,6 +113,10 @@ impl Store for FaultyStore {
         self.inner.message_lease(params).await
     }
     async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
+        if self.injector.plan.renewals_fail {
+            self.injector.counts.renewals.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Unavailable("injected: lease renewal failed".into()));
+        }
         self.inner.message_lease_renew(lease, duration).await
     }
     async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
@@ -128,8 +137,8 @@ impl Store for FaultyStore {
     async fn stats(&self) -> StoreResult<Stats> {
         self.inner.stats().await
     }
-    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
-        self.inner.dead_letter_list(queue, limit).await
+    async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.inner.dead_letter_list(queues, limit).await
     }
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
         self.inner.dead_letter_get(id).await
@@ -137,8 +146,11 @@ impl Store for FaultyStore {
     async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
         self.inner.dead_letter_replay(id).await
     }
-    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
-        self.inner.outbox_list(limit).await
+    async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
+        self.inner.message_list(queues, limit).await
+    }
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
+        self.inner.message_get(id).await
     }
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
         self.inner.table_rows(table).await
@@ -167,8 +179,8 @@ impl Transaction for FaultyTransaction {
     fn message_enqueue(&mut self, params: SendParams) {
         self.inner.message_enqueue(params)
     }
-    fn intent_insert(&mut self, params: IntentParams) {
-        self.inner.intent_insert(params)
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.inner.dedup_hold(queue, key, window)
     }
     fn message_ack(&mut self, lease: &Lease) {
         self.inner.message_ack(lease)

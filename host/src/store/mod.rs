@@ -116,6 +116,9 @@ pub struct SendParams {
     /// A second send with the same key on the same queue within the dedup
     /// window is dropped.
     pub dedup_key: Option<String>,
+    /// How long the dedup key is remembered (default: the store's
+    /// `dedup_window`). Outbox intents hold theirs until delivered.
+    pub dedup_window: Option<Duration>,
 }
 
 /// The result of a send.
@@ -143,15 +146,44 @@ pub struct DeadLetterParams {
     pub handler_version: Option<String>,
 }
 
-/// An intent to write to the outbox, with where it came from.
-#[derive(Debug, Clone)]
-pub struct IntentParams {
-    pub connector: String,
-    pub idempotency_key: String,
+/// Which queues a listing covers.
+#[derive(Debug, Clone, Copy)]
+pub enum Queues<'a> {
+    All,
+    /// One queue.
+    Named(&'a str),
+    /// Every queue whose name starts with this (`onceq.outbox.` say).
+    Prefix(&'a str),
+}
+
+impl Queues<'_> {
+    pub fn matches(&self, queue: &str) -> bool {
+        match self {
+            Queues::All => true,
+            Queues::Named(n) => queue == *n,
+            Queues::Prefix(p) => queue.starts_with(p),
+        }
+    }
+}
+
+/// A message waiting on its queue (or leased), as listed by tools.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct QueuedMessage {
+    pub id: String,
+    pub queue: String,
+    #[serde(skip)]
     pub payload: Vec<u8>,
-    pub metadata: Vec<(String, String)>,
-    pub source_queue: String,
-    pub source_message_id: String,
+    pub payload_text: String,
+    pub attributes: Vec<(String, String)>,
+    /// Attempts so far (leases taken).
+    pub attempt: u32,
+    pub enqueued_at: i64,
+    /// When it is (or was) visible to a lease, database time (µs).
+    pub visible_at: i64,
+    /// Leased by a worker right now.
+    pub leased: bool,
+    /// Why the last attempt failed, if one did.
+    pub last_error: Option<String>,
 }
 
 /// A dead-lettered message.
@@ -170,18 +202,6 @@ pub struct DeadLetter {
     pub handler_version: Option<String>,
 }
 
-/// An outbox intent as stored.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct OutboxIntent {
-    pub id: String,
-    pub connector: String,
-    pub idempotency_key: String,
-    pub payload_text: String,
-    pub source_queue: String,
-    pub source_message_id: String,
-    pub created_at: i64,
-}
-
 /// Per-queue counts (database time decides ready/leased/delayed).
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
 pub struct QueueStats {
@@ -197,13 +217,15 @@ pub struct QueueStats {
     /// When the next delayed message becomes visible, in milliseconds from
     /// now (`None` when nothing is delayed).
     pub next_due_ms: Option<u64>,
+    /// Dedup keys remembered (producer keys within the window; on an outbox
+    /// queue, intent keys: held until delivery, then for the retention).
+    pub dedup_keys: u64,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
 pub struct Stats {
+    /// Every queue with messages, dead letters or dedup keys, by name.
     pub queues: Vec<QueueStats>,
-    /// Intents in the outbox not yet delivered.
-    pub outbox_pending: u64,
 }
 
 /// A queue backend.
@@ -237,11 +259,11 @@ pub trait Store: Send + Sync + 'static {
     /// Start a message transaction.
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>>;
 
-    /// Counts per queue, and the outbox backlog.
+    /// Counts per queue (outbox queues included), with dedup keys held.
     async fn stats(&self) -> StoreResult<Stats>;
 
     /// Dead letters, newest first.
-    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>>;
+    async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>>;
 
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>>;
 
@@ -250,14 +272,18 @@ pub trait Store: Send + Sync + 'static {
     /// such dead letter.
     async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>>;
 
-    /// Intents not yet delivered, oldest first.
-    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>>;
+    /// Messages on their queues (ready, delayed or leased), oldest first.
+    async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>>;
+
+    /// One message on its queue, by id.
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>>;
 
     /// Every row of a business table, in key order: for checks and tools
     /// (`onceq demo`'s invariants, tests), never for handlers.
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>>;
 
-    /// Forget producer dedup keys older than the window; returns how many.
+    /// Forget dedup keys whose time is up (producer keys after the window,
+    /// delivered intent keys after the retention); returns how many.
     async fn dedup_purge(&self) -> StoreResult<u64>;
 }
 
@@ -277,8 +303,10 @@ pub trait Transaction: Send {
     /// Buffer a follow-up message.
     fn message_enqueue(&mut self, params: SendParams);
 
-    /// Buffer an outbox intent.
-    fn intent_insert(&mut self, params: IntentParams);
+    /// Buffer a change of a dedup key's expiry to now + `window` (an outbox
+    /// dispatcher's ack: the delivered intent's key is kept for the
+    /// retention window, then forgotten).
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration);
 
     /// Buffer the ack: delete the message, asserting exactly one row.
     fn message_ack(&mut self, lease: &Lease);

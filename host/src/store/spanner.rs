@@ -58,16 +58,10 @@ pub fn system_ddl() -> Vec<String> {
             attempts INT64 NOT NULL, enqueued_at INT64 NOT NULL, failed_at INT64 NOT NULL, reason STRING(MAX) NOT NULL,
             handler_version STRING(64)
          ) PRIMARY KEY (id)",
-        "CREATE TABLE onceq_outbox (
-            id STRING(64) NOT NULL, connector STRING(256) NOT NULL, idempotency_key STRING(MAX) NOT NULL,
-            payload BYTES(MAX) NOT NULL, metadata STRING(MAX) NOT NULL, source_queue STRING(256) NOT NULL,
-            source_message_id STRING(64) NOT NULL, created_at INT64 NOT NULL, visible_at INT64 NOT NULL,
-            lease_token STRING(64), attempt INT64 NOT NULL, delivered_at INT64
-         ) PRIMARY KEY (id)",
-        "CREATE UNIQUE INDEX onceq_outbox_key ON onceq_outbox (connector, idempotency_key)",
         "CREATE TABLE onceq_dedup (
             queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
          ) PRIMARY KEY (queue, dedup_key)",
+        "CREATE INDEX onceq_dedup_expiry ON onceq_dedup (expires_at)",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -638,7 +632,7 @@ async fn send_in(
             .add_param("q", p.queue.clone())
             .add_param("k", key.clone())
             .add_param("id", id.clone())
-            .add_param("w", micros(window))
+            .add_param("w", micros(p.dedup_window.unwrap_or(window)))
             .build(),
         )
         .await?;
@@ -900,7 +894,7 @@ impl Store for SpannerStore {
             reads: Vec::new(),
             writes: Vec::new(),
             enqueues: Vec::new(),
-            intents: Vec::new(),
+            holds: Vec::new(),
             ack: None,
             schema: self.schema.clone(),
         }))
@@ -955,26 +949,38 @@ impl Store for SpannerStore {
         let mut rs = c
             .single_use()
             .build()
-            .execute_query(Statement::builder("SELECT COUNT(*) FROM onceq_outbox WHERE delivered_at IS NULL").build())
+            .execute_query(
+                Statement::builder(format!(
+                    "SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"
+                ))
+                .build(),
+            )
             .await
             .map_err(classify)?;
-        let mut outbox_pending = 0;
-        if let Some(r) = rs.next().await {
-            outbox_pending = r.map_err(classify)?.get::<i64>(0).map_err(classify)? as u64;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let q: String = r.get(0).map_err(classify)?;
+            by_queue
+                .entry(q.clone())
+                .or_insert_with(|| QueueStats {
+                    queue: q,
+                    ..Default::default()
+                })
+                .dedup_keys = r.get::<i64>(1).map_err(classify)? as u64;
         }
         Ok(Stats {
             queues: by_queue.into_values().collect(),
-            outbox_pending,
         })
     }
 
-    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+    async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
         let t = dead_letter_table();
-        let stmt = Statement::builder(
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
             "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version FROM onceq_dead_letters
-             WHERE @q IS NULL OR queue = @q ORDER BY failed_at DESC, id LIMIT @n",
-        )
-        .add_typed_param("q", queue.map(str::to_string), google_cloud_spanner::types::string())
+             WHERE {cond} ORDER BY failed_at DESC, id LIMIT @n"
+        ))
+        .add_param("q", q)
         .add_param("n", limit.min(i64::MAX as usize) as i64)
         .build();
         Ok(self.query_rows(stmt, &t).await?.into_iter().map(dead_letter_from).collect())
@@ -1016,49 +1022,25 @@ impl Store for SpannerStore {
         .await
     }
 
-    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
-        use ColumnType::*;
-        let t = Self::system_table(
-            "onceq_outbox",
-            &[
-                ("id", String),
-                ("connector", String),
-                ("idempotency_key", String),
-                ("payload", Bytes),
-                ("source_queue", String),
-                ("source_message_id", String),
-                ("created_at", Int64),
-            ],
-        );
-        let stmt = Statement::builder(
-            "SELECT id, connector, idempotency_key, payload, source_queue, source_message_id, created_at FROM onceq_outbox
-             WHERE delivered_at IS NULL ORDER BY created_at, id LIMIT @n",
-        )
+    async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE {cond} ORDER BY enqueued_at, id LIMIT @n"
+        ))
+        .add_param("q", q)
         .add_param("n", limit.min(i64::MAX as usize) as i64)
         .build();
-        let rows = self.query_rows(stmt, &t).await?;
-        Ok(rows
-            .into_iter()
-            .map(|r| {
-                let s = |i: usize| match r.get(i).map(|(_, v)| v) {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Bytes(b)) => std::string::String::from_utf8_lossy(b).into_owned(),
-                    _ => std::string::String::new(),
-                };
-                OutboxIntent {
-                    id: s(0),
-                    connector: s(1),
-                    idempotency_key: s(2),
-                    payload_text: s(3),
-                    source_queue: s(4),
-                    source_message_id: s(5),
-                    created_at: match r.get(6).map(|(_, v)| v) {
-                        Some(Value::Int64(n)) => *n,
-                        _ => 0,
-                    },
-                }
-            })
-            .collect())
+        let rows = self.query_rows(stmt, &queued_table()).await?;
+        Ok(rows.into_iter().map(queued_from).collect())
+    }
+
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
+        let stmt = Statement::builder(format!("SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE shard = @s AND id = @id"))
+            .add_param("s", shard_of(id, self.shards))
+            .add_param("id", id.to_string())
+            .build();
+        let rows = self.query_rows(stmt, &queued_table()).await?;
+        Ok(rows.into_iter().next().map(queued_from))
     }
 
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
@@ -1077,11 +1059,82 @@ impl Store for SpannerStore {
     }
 }
 
+/// A `WHERE` condition on `queue` for a selection, with `@q` bound to the
+/// returned text.
+fn queue_condition(q: Queues<'_>) -> (&'static str, String) {
+    match q {
+        Queues::All => ("@q = ''", String::new()),
+        Queues::Named(name) => ("queue = @q", name.to_string()),
+        Queues::Prefix(p) => ("STARTS_WITH(queue, @q)", p.to_string()),
+    }
+}
+
+const QUEUED_COLUMNS: &str = "id, queue, payload, attributes, attempt, enqueued_at, visible_at,
+    lease_token IS NOT NULL AND visible_at > UNIX_MICROS(CURRENT_TIMESTAMP()), last_error";
+
+fn queued_table() -> TableSchema {
+    use ColumnType::*;
+    SpannerStore::system_table(
+        "onceq_messages",
+        &[
+            ("id", String),
+            ("queue", String),
+            ("payload", Bytes),
+            ("attributes", String),
+            ("attempt", Int64),
+            ("enqueued_at", Int64),
+            ("visible_at", Int64),
+            ("leased", Bool),
+            ("last_error", String),
+        ],
+    )
+}
+
+fn queued_from(row: Row) -> QueuedMessage {
+    let mut it = row.into_iter().map(|(_, v)| v);
+    let mut next = || it.next().unwrap_or(Value::Null);
+    let text = |v: Value| match v {
+        Value::String(s) => s,
+        _ => std::string::String::new(),
+    };
+    let int = |v: Value| match v {
+        Value::Int64(n) => n,
+        _ => 0,
+    };
+    let id = text(next());
+    let queue = text(next());
+    let payload = match next() {
+        Value::Bytes(b) => b,
+        _ => Vec::new(),
+    };
+    let attributes = attrs_from_json(&text(next()));
+    let attempt = u32::try_from(int(next())).unwrap_or(u32::MAX);
+    let enqueued_at = int(next());
+    let visible_at = int(next());
+    let leased = matches!(next(), Value::Bool(true));
+    let last_error = match next() {
+        Value::String(s) => Some(s),
+        _ => None,
+    };
+    QueuedMessage {
+        id,
+        queue,
+        payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes,
+        attempt,
+        enqueued_at,
+        visible_at,
+        leased,
+        last_error,
+    }
+}
+
 /// What a message transaction commits, owned, so the commit closure can be
 /// re-run by the client on `ABORTED`.
 struct CommitData {
     reads: Vec<ReadRecord>,
-    intents: Vec<IntentParams>,
+    holds: Vec<(String, String, Duration)>,
     enqueues: Vec<SendParams>,
     ack: Option<Lease>,
     mutations: Vec<Mutation>,
@@ -1116,26 +1169,20 @@ impl CommitData {
             )
             .await?;
         }
-        for i in &self.intents {
+        for e in &self.enqueues {
+            send_in(tx, e, self.shards, self.window).await?;
+        }
+        for (queue, key, hold) in &self.holds {
             tx.execute_update(
                 Statement::builder(format!(
-                    "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at, attempt)
-                     SELECT @id, @c, @k, @p, @m, @q, @src, {NOW}, {NOW}, 0 FROM UNNEST([1])
-                     WHERE NOT EXISTS (SELECT 1 FROM onceq_outbox WHERE connector = @c AND idempotency_key = @k)"
+                    "UPDATE onceq_dedup SET expires_at = {NOW} + @w WHERE queue = @q AND dedup_key = @k"
                 ))
-                .add_typed_param("id", random_id(), google_cloud_spanner::types::string())
-                .add_typed_param("c", i.connector.clone(), google_cloud_spanner::types::string())
-                .add_typed_param("k", i.idempotency_key.clone(), google_cloud_spanner::types::string())
-                .add_typed_param("p", i.payload.clone(), google_cloud_spanner::types::bytes())
-                .add_typed_param("m", attrs_to_json(&i.metadata), google_cloud_spanner::types::string())
-                .add_typed_param("q", i.source_queue.clone(), google_cloud_spanner::types::string())
-                .add_typed_param("src", i.source_message_id.clone(), google_cloud_spanner::types::string())
+                .add_param("q", queue.clone())
+                .add_param("k", key.clone())
+                .add_param("w", micros(*hold))
                 .build(),
             )
             .await?;
-        }
-        for e in &self.enqueues {
-            send_in(tx, e, self.shards, self.window).await?;
         }
         tx.buffer(self.mutations.clone())?;
         Ok(true)
@@ -1152,7 +1199,7 @@ struct SpannerTransaction {
     reads: Vec<ReadRecord>,
     writes: Vec<ValidWrite>,
     enqueues: Vec<SendParams>,
-    intents: Vec<IntentParams>,
+    holds: Vec<(String, String, Duration)>,
     ack: Option<Lease>,
 }
 
@@ -1224,8 +1271,8 @@ impl Transaction for SpannerTransaction {
         self.enqueues.push(params);
     }
 
-    fn intent_insert(&mut self, params: IntentParams) {
-        self.intents.push(params);
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.holds.push((queue.to_string(), key.to_string(), window));
     }
 
     fn message_ack(&mut self, lease: &Lease) {
@@ -1247,7 +1294,7 @@ impl Transaction for SpannerTransaction {
         let ack = self.ack.clone();
         let data = Arc::new(CommitData {
             reads: std::mem::take(&mut self.reads),
-            intents: std::mem::take(&mut self.intents),
+            holds: std::mem::take(&mut self.holds),
             enqueues: std::mem::take(&mut self.enqueues),
             ack: self.ack.take(),
             mutations,

@@ -59,22 +59,6 @@ CREATE TABLE IF NOT EXISTS onceq_dead_letters (
     handler_version TEXT
 );
 CREATE INDEX IF NOT EXISTS onceq_dead_letters_queue ON onceq_dead_letters (queue, failed_at);
-CREATE TABLE IF NOT EXISTS onceq_outbox (
-    id TEXT PRIMARY KEY,
-    connector TEXT NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    payload BLOB NOT NULL,
-    metadata TEXT NOT NULL,
-    source_queue TEXT NOT NULL,
-    source_message_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    visible_at INTEGER NOT NULL,
-    lease_token TEXT,
-    attempt INTEGER NOT NULL DEFAULT 0,
-    delivered_at INTEGER,
-    UNIQUE (connector, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS onceq_outbox_visible ON onceq_outbox (delivered_at, visible_at);
 CREATE TABLE IF NOT EXISTS onceq_dedup (
     queue TEXT NOT NULL,
     dedup_key TEXT NOT NULL,
@@ -82,6 +66,7 @@ CREATE TABLE IF NOT EXISTS onceq_dedup (
     expires_at INTEGER NOT NULL,
     PRIMARY KEY (queue, dedup_key)
 );
+CREATE INDEX IF NOT EXISTS onceq_dedup_expiry ON onceq_dedup (expires_at);
 CREATE TABLE IF NOT EXISTS onceq_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '1');
 ";
@@ -309,37 +294,47 @@ fn attrs_from_json(s: &str) -> Vec<(String, String)> {
     serde_json::from_str(s).unwrap_or_default()
 }
 
+/// A `WHERE` condition on `queue` for a selection, with `?{n}` bound to
+/// the returned text.
+fn queue_condition(q: Queues<'_>, n: usize) -> (String, String) {
+    match q {
+        Queues::All => (format!("?{n} = ''"), String::new()),
+        Queues::Named(name) => (format!("queue = ?{n}"), name.to_string()),
+        Queues::Prefix(p) => (format!("substr(queue, 1, length(?{n})) = ?{n}"), p.to_string()),
+    }
+}
+
 fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Insert one message (honouring its dedup key) on an open write
-/// transaction.
+/// transaction. The key is claimed first, in one statement (a live key
+/// makes it a no-op), so the common case is two statements.
 fn send_on(conn: &Connection, p: &SendParams, dedup_window: Duration) -> StoreResult<SendOutcome> {
+    let id = random_id();
     if let Some(key) = &p.dedup_key {
-        let existing: Option<String> = conn
+        let claimed = conn
             .prepare_cached(&format!(
-                "SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2 AND expires_at > {NOW}"
+                "INSERT INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (?1, ?2, ?3, {NOW} + ?4)
+                 ON CONFLICT (queue, dedup_key) DO UPDATE SET message_id = excluded.message_id, expires_at = excluded.expires_at
+                 WHERE onceq_dedup.expires_at <= {NOW}"
             ))
-            .and_then(|mut s| s.query_row(params![p.queue, key], |r| r.get(0)).optional())
+            .and_then(|mut s| s.execute(params![p.queue, key, id, micros(p.dedup_window.unwrap_or(dedup_window))]))
             .map_err(classify)?;
-        if let Some(existing_id) = existing {
+        if claimed == 0 {
+            let existing_id: String = conn
+                .prepare_cached("SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2")
+                .and_then(|mut s| s.query_row(params![p.queue, key], |r| r.get(0)))
+                .map_err(classify)?;
             return Ok(SendOutcome::Duplicate { existing_id });
         }
     }
-    let id = random_id();
     conn.prepare_cached(&format!(
         "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, ?2, ?3, ?4, 0, {NOW}, {NOW} + ?5)"
     ))
     .and_then(|mut s| s.execute(params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(p.delay)]))
     .map_err(classify)?;
-    if let Some(key) = &p.dedup_key {
-        conn.prepare_cached(&format!(
-            "INSERT OR REPLACE INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (?1, ?2, ?3, {NOW} + ?4)"
-        ))
-        .and_then(|mut s| s.execute(params![p.queue, key, id, micros(dedup_window)]))
-        .map_err(classify)?;
-    }
     Ok(SendOutcome::Sent { id })
 }
 
@@ -626,7 +621,7 @@ impl Store for SqliteStore {
             reads: Vec::new(),
             writes: Vec::new(),
             enqueues: Vec::new(),
-            intents: Vec::new(),
+            holds: Vec::new(),
             ack: None,
         }))
     }
@@ -682,26 +677,41 @@ impl Store for SqliteStore {
                     })
                     .dead = dead as u64;
             }
-            let outbox_pending: i64 = c
-                .query_row("SELECT COUNT(*) FROM onceq_outbox WHERE delivered_at IS NULL", [], |r| r.get(0))
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"
+                ))
                 .map_err(classify)?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+                .map_err(classify)?;
+            for row in rows {
+                let (q, keys) = row.map_err(classify)?;
+                by_queue
+                    .entry(q.clone())
+                    .or_insert_with(|| QueueStats {
+                        queue: q,
+                        ..Default::default()
+                    })
+                    .dedup_keys = keys as u64;
+            }
             Ok(Stats {
                 queues: by_queue.into_values().collect(),
-                outbox_pending: outbox_pending as u64,
             })
         })
     }
 
-    async fn dead_letter_list(&self, queue: Option<&str>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+    async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        let (cond, q) = queue_condition(queues, 1);
         self.read(|c| {
             let mut stmt = c
-                .prepare_cached(
+                .prepare_cached(&format!(
                     "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version
-                     FROM onceq_dead_letters WHERE ?1 IS NULL OR queue = ?1 ORDER BY failed_at DESC, id LIMIT ?2",
-                )
+                     FROM onceq_dead_letters WHERE {cond} ORDER BY failed_at DESC, id LIMIT ?2"
+                ))
                 .map_err(classify)?;
             let rows = stmt
-                .query_map(params![queue, limit as i64], dead_letter_from_row)
+                .query_map(params![q, limit.min(i64::MAX as usize) as i64], dead_letter_from_row)
                 .map_err(classify)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(classify)
         })
@@ -738,28 +748,26 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn outbox_list(&self, limit: usize) -> StoreResult<Vec<OutboxIntent>> {
+    async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
+        let (cond, q) = queue_condition(queues, 1);
         self.read(|c| {
             let mut stmt = c
-                .prepare_cached(
-                    "SELECT id, connector, idempotency_key, payload, source_queue, source_message_id, created_at
-                     FROM onceq_outbox WHERE delivered_at IS NULL ORDER BY created_at, id LIMIT ?1",
-                )
+                .prepare_cached(&format!(
+                    "SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE {cond} ORDER BY enqueued_at, id LIMIT ?2"
+                ))
                 .map_err(classify)?;
             let rows = stmt
-                .query_map(params![limit as i64], |r| {
-                    Ok(OutboxIntent {
-                        id: r.get(0)?,
-                        connector: r.get(1)?,
-                        idempotency_key: r.get(2)?,
-                        payload_text: String::from_utf8_lossy(&r.get::<_, Vec<u8>>(3)?).into_owned(),
-                        source_queue: r.get(4)?,
-                        source_message_id: r.get(5)?,
-                        created_at: r.get(6)?,
-                    })
-                })
+                .query_map(params![q, limit.min(i64::MAX as usize) as i64], queued_from_row)
                 .map_err(classify)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
+        self.read(|c| {
+            c.prepare_cached(&format!("SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE id = ?1"))
+                .and_then(|mut s| s.query_row(params![id], queued_from_row).optional())
+                .map_err(classify)
         })
     }
 
@@ -776,6 +784,25 @@ impl Store for SqliteStore {
         })
         .await
     }
+}
+
+const QUEUED_COLUMNS: &str =
+    "id, queue, payload, attributes, attempt, enqueued_at, visible_at, lease_token IS NOT NULL AND visible_at > unixepoch('subsec') * 1000000, last_error";
+
+fn queued_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<QueuedMessage> {
+    let payload: Vec<u8> = r.get(2)?;
+    Ok(QueuedMessage {
+        id: r.get(0)?,
+        queue: r.get(1)?,
+        payload_text: String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes: attrs_from_json(&r.get::<_, String>(3)?),
+        attempt: r.get(4)?,
+        enqueued_at: r.get(5)?,
+        visible_at: r.get(6)?,
+        leased: r.get(7)?,
+        last_error: r.get(8)?,
+    })
 }
 
 fn dead_letter_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeadLetter> {
@@ -823,7 +850,7 @@ struct Buffered {
     reads: Vec<ReadRecord>,
     writes: Vec<ValidWrite>,
     enqueues: Vec<SendParams>,
-    intents: Vec<IntentParams>,
+    holds: Vec<(String, String, Duration)>,
     ack: Option<Lease>,
 }
 
@@ -834,7 +861,7 @@ struct SqliteTransaction {
     reads: Vec<ReadRecord>,
     writes: Vec<ValidWrite>,
     enqueues: Vec<SendParams>,
-    intents: Vec<IntentParams>,
+    holds: Vec<(String, String, Duration)>,
     ack: Option<Lease>,
 }
 
@@ -902,8 +929,8 @@ impl Transaction for SqliteTransaction {
         self.enqueues.push(params);
     }
 
-    fn intent_insert(&mut self, params: IntentParams) {
-        self.intents.push(params);
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.holds.push((queue.to_string(), key.to_string(), window));
     }
 
     fn message_ack(&mut self, lease: &Lease) {
@@ -918,7 +945,7 @@ impl Transaction for SqliteTransaction {
             reads: std::mem::take(&mut self.reads),
             writes: std::mem::take(&mut self.writes),
             enqueues: std::mem::take(&mut self.enqueues),
-            intents: std::mem::take(&mut self.intents),
+            holds: std::mem::take(&mut self.holds),
             ack: self.ack.take(),
         };
         let inner = self.inner.clone();
@@ -946,33 +973,23 @@ impl Transaction for SqliteTransaction {
                         .map_err(classify)?;
                     if n != 1 {
                         // ASSERT_ROWS_MODIFIED 1 failed: roll everything back.
-                        return Err(StoreError::LeaseLost { message_id: lease.message_id.clone() });
+                        return Err(StoreError::LeaseLost {
+                            message_id: lease.message_id.clone(),
+                        });
                     }
                 }
                 for w in &this.writes {
                     apply_write(c, table_of(&schema, w)?, w)?;
                 }
-                for i in &this.intents {
-                    c.prepare_cached(&format!(
-                        "INSERT INTO onceq_outbox (id, connector, idempotency_key, payload, metadata, source_queue, source_message_id, created_at, visible_at)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, {NOW}, {NOW})
-                         ON CONFLICT (connector, idempotency_key) DO NOTHING"
-                    ))
-                    .and_then(|mut s| {
-                        s.execute(params![
-                            random_id(),
-                            i.connector,
-                            i.idempotency_key,
-                            i.payload,
-                            attrs_to_json(&i.metadata),
-                            i.source_queue,
-                            i.source_message_id
-                        ])
-                    })
-                    .map_err(classify)?;
-                }
                 for e in &this.enqueues {
                     send_on(c, e, window)?;
+                }
+                for (queue, key, hold) in &this.holds {
+                    c.prepare_cached(&format!(
+                        "UPDATE onceq_dedup SET expires_at = {NOW} + ?3 WHERE queue = ?1 AND dedup_key = ?2"
+                    ))
+                    .and_then(|mut s| s.execute(params![queue, key, micros(*hold)]))
+                    .map_err(classify)?;
                 }
                 Ok(())
             })

@@ -1,0 +1,252 @@
+//! The transactional outbox: intents reach the outside world after commit,
+//! at least once, always with their idempotency key.
+//!
+//! # How an intent travels
+//!
+//! 1. A handler returns an `intent` effect (connector, idempotency key,
+//!    payload, metadata). The protocol turns it into a message on the
+//!    connector's outbox queue, `onceq.outbox.<connector>`
+//!    ([`intent_message`]), enqueued **in the message's transaction**: if
+//!    that transaction rolls back, the intent never existed.
+//! 2. The key is the message's dedup key, held until the intent is
+//!    delivered ([`HOLD_UNTIL_DELIVERED`]): a second emission of the same
+//!    key for the same connector (another message, a replay) is dropped.
+//! 3. The outbox queue is worked by the same [`QueueRunner`] as any queue
+//!    (leases, background renewal, backoff with jitter, dead letters,
+//!    replay), with a [`Dispatcher`] as its handler: it hands the intent to
+//!    its [`Connector`] and maps the answer to delivered (ack), retry (with
+//!    the connector's delay, e.g. `Retry-After`) or refused (dead letter,
+//!    with the reason).
+//! 4. The dispatcher's ack moves the key's expiry to now + the retention
+//!    window ([`crate::store::Transaction::dedup_hold`]), in the ack's
+//!    transaction. A duplicate emission within the window is dropped; after
+//!    it the key is purged.
+//!
+//! A delivery whose ack fails (crash, lost lease, unknown commit outcome) is
+//! delivered again, with the same key: the receiver deduplicates. That is
+//! the contract: at least once, one key per intent, the key chosen by the
+//! handler (never random).
+
+pub mod connectors;
+
+use crate::protocol::{EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, Policy, QueueRunner, QueueSpec, ReadScope};
+use crate::store::{SendParams, Store};
+use crate::value::{Effect, Message};
+use async_trait::async_trait;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use connectors::{ConnectorConfig, Delivery};
+
+/// Queue names starting with this are onceq's own.
+pub const RESERVED_PREFIX: &str = "onceq.";
+/// A connector's outbox queue is this followed by the connector's name.
+pub const QUEUE_PREFIX: &str = "onceq.outbox.";
+/// Attribute carrying the intent's idempotency key.
+pub const KEY_ATTRIBUTE: &str = "onceq.idempotency-key";
+/// Attribute naming the queue whose message emitted the intent.
+pub const SOURCE_QUEUE_ATTRIBUTE: &str = "onceq.source-queue";
+/// Attribute naming the message that emitted the intent.
+pub const SOURCE_MESSAGE_ATTRIBUTE: &str = "onceq.source-message";
+/// How long an undelivered intent's key is held: until it is delivered
+/// (then the retention window applies), for all practical purposes.
+pub const HOLD_UNTIL_DELIVERED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The outbox queue of a connector.
+pub fn queue_of(connector: &str) -> String {
+    format!("{QUEUE_PREFIX}{connector}")
+}
+
+/// The connector of an outbox queue.
+pub fn connector_of(queue: &str) -> Option<&str> {
+    queue.strip_prefix(QUEUE_PREFIX)
+}
+
+/// The outbox message for an intent emitted while handling `msg`.
+pub fn intent_message(msg: &Message, intent: crate::value::Intent) -> SendParams {
+    let mut attributes = Vec::with_capacity(intent.metadata.len() + 3);
+    attributes.push((KEY_ATTRIBUTE.to_string(), intent.idempotency_key.clone()));
+    attributes.push((SOURCE_QUEUE_ATTRIBUTE.to_string(), msg.queue.clone()));
+    attributes.push((SOURCE_MESSAGE_ATTRIBUTE.to_string(), msg.id.clone()));
+    attributes.extend(intent.metadata);
+    SendParams {
+        queue: queue_of(&intent.connector),
+        payload: intent.payload,
+        attributes,
+        delay: Duration::ZERO,
+        dedup_key: Some(intent.idempotency_key),
+        dedup_window: Some(HOLD_UNTIL_DELIVERED),
+    }
+}
+
+/// An intent as a connector sees it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Intent {
+    pub connector: String,
+    pub idempotency_key: String,
+    #[serde(skip)]
+    pub payload: Vec<u8>,
+    /// The handler's metadata (onceq's own attributes removed).
+    pub metadata: Vec<(String, String)>,
+    pub source_queue: String,
+    pub source_message_id: String,
+    /// The outbox message's id.
+    pub id: String,
+    /// Delivery attempt, 1 on the first.
+    pub attempt: u32,
+}
+
+impl Intent {
+    /// Read an outbox message back as an intent.
+    pub fn from_message(msg: &Message) -> Result<Intent, String> {
+        let connector = connector_of(&msg.queue)
+            .ok_or_else(|| format!("queue {} is not an outbox queue", msg.queue))?
+            .to_string();
+        Self::from_parts(connector, &msg.id, msg.attempt, &msg.attributes, &msg.payload)
+    }
+
+    fn from_parts(connector: String, id: &str, attempt: u32, attributes: &[(String, String)], payload: &[u8]) -> Result<Intent, String> {
+        let get = |name: &str| attributes.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let idempotency_key = get(KEY_ATTRIBUTE).ok_or_else(|| format!("outbox message {id} has no {KEY_ATTRIBUTE} attribute"))?;
+        Ok(Intent {
+            connector,
+            idempotency_key,
+            payload: payload.to_vec(),
+            metadata: attributes
+                .iter()
+                .filter(|(k, _)| !k.starts_with(RESERVED_PREFIX))
+                .cloned()
+                .collect(),
+            source_queue: get(SOURCE_QUEUE_ATTRIBUTE).unwrap_or_default(),
+            source_message_id: get(SOURCE_MESSAGE_ATTRIBUTE).unwrap_or_default(),
+            id: id.to_string(),
+            attempt,
+        })
+    }
+
+    /// An intent waiting in the outbox, from a listing.
+    pub fn from_queued(m: &crate::store::QueuedMessage) -> Option<Intent> {
+        let connector = connector_of(&m.queue)?.to_string();
+        Self::from_parts(connector, &m.id, m.attempt, &m.attributes, &m.payload).ok()
+    }
+
+    /// A dead-lettered intent.
+    pub fn from_dead_letter(d: &crate::store::DeadLetter) -> Option<Intent> {
+        let connector = connector_of(&d.queue)?.to_string();
+        Self::from_parts(connector, &d.id, d.attempts, &d.attributes, &d.payload).ok()
+    }
+
+    /// The payload as text (lossy), for logs and listings.
+    pub fn payload_text(&self) -> String {
+        String::from_utf8_lossy(&self.payload).into_owned()
+    }
+}
+
+/// Somewhere intents go: an HTTP endpoint, a file, the log.
+#[async_trait]
+pub trait Connector: Send + Sync {
+    /// "webhook", "file", "log".
+    fn kind(&self) -> &'static str;
+
+    /// Deliver one intent. Called again, with the same key, after a retry
+    /// or when an earlier delivery's ack was lost: the far side must
+    /// deduplicate by the key.
+    async fn deliver(&self, intent: &Intent) -> Delivery;
+}
+
+/// The handler of an outbox queue: delivers each intent through its
+/// connector. It reads nothing and returns no effects; the protocol acks
+/// the delivered intent (and keeps its key for the retention window).
+pub struct Dispatcher {
+    connector: Arc<dyn Connector>,
+    version: String,
+}
+
+impl Dispatcher {
+    pub fn new(name: &str, connector: Arc<dyn Connector>) -> Dispatcher {
+        let version = format!("connector:{}:{name}", connector.kind());
+        Dispatcher { connector, version }
+    }
+}
+
+#[async_trait]
+impl Handler for Dispatcher {
+    fn version(&self) -> &str {
+        &self.version
+    }
+
+    async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput {
+        let intent = match Intent::from_message(msg) {
+            Ok(i) => i,
+            Err(e) => {
+                return HandleOutput {
+                    scope,
+                    result: Err(HandlerFailure::Reject(e)),
+                }
+            }
+        };
+        let result = match self.connector.deliver(&intent).await {
+            Delivery::Delivered(detail) => {
+                tracing::debug!(connector = %intent.connector, key = %intent.idempotency_key, "delivered: {detail}");
+                Ok(Vec::<Effect>::new())
+            }
+            Delivery::Retry { reason, after } => Err(HandlerFailure::Retry { reason, delay: after }),
+            Delivery::Refused(reason) => Err(HandlerFailure::Reject(reason)),
+        };
+        HandleOutput { scope, result }
+    }
+}
+
+/// How the outbox queues are worked (`[outbox]` in `onceq.toml`).
+#[derive(Debug, Clone)]
+pub struct OutboxSettings {
+    /// Concurrent deliveries per connector.
+    pub workers: usize,
+    /// Intents leased per round trip.
+    pub batch: usize,
+    /// Lease per intent (renewed in the background while a delivery runs).
+    pub lease: Duration,
+    /// Delivery attempts before an intent is dead-lettered.
+    pub max_attempts: u32,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// How long a delivered intent's key is kept to drop duplicates.
+    pub retention: Duration,
+}
+
+impl Default for OutboxSettings {
+    fn default() -> Self {
+        OutboxSettings {
+            workers: 4,
+            batch: 4,
+            lease: Duration::from_secs(30),
+            max_attempts: 20,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(300),
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// The runner of one connector's outbox queue.
+pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, s: &OutboxSettings) -> QueueRunner {
+    QueueRunner::new(
+        QueueSpec {
+            name: queue_of(name),
+            handler: Arc::new(Dispatcher::new(name, connector)),
+            grants: Grants::default(),
+            limits: EffectLimits::default(),
+            policy: Policy {
+                lease: s.lease,
+                max_attempts: s.max_attempts,
+                backoff_initial: s.backoff_initial,
+                backoff_max: s.backoff_max,
+                workers: s.workers,
+                batch: s.batch,
+                ..Policy::default()
+            },
+            key_retention: Some(s.retention),
+        },
+        store,
+    )
+}
