@@ -363,14 +363,24 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
     println!("  already committed          {already}   (unknown outcome, first commit had landed)");
     println!("  retried attempts           {}", sum(runners, |m| m.retried.load(Relaxed)));
     println!("  dead-lettered              {dead}");
+    let delivered = sum(o.dispatchers, |m| m.processed.load(Relaxed) + m.already_committed.load(Relaxed));
     println!(
-        "  unknown outcomes injected  {faults}   (re-runs: {})",
-        sum(runners, |m| m.unknown_outcomes.load(Relaxed))
+        "  intents delivered          {delivered}   (to charges.jsonl after commit; {} repeats after an unknown outcome, same key)",
+        o.charges.len().saturating_sub(o.charges.iter().collect::<std::collections::BTreeSet<_>>().len())
     );
-    println!("  aborted + re-run           {}", sum(runners, |m| m.aborted_reruns.load(Relaxed)));
     println!(
-        "  throughput                 {:.0} messages/s  ({:.2}s; latency p50 {:.2} ms, p99 {:.2} ms)",
+        "  unknown outcomes injected  {faults}   (re-runs: {} of messages, {} of deliveries)",
+        sum(runners, |m| m.unknown_outcomes.load(Relaxed)),
+        sum(o.dispatchers, |m| m.unknown_outcomes.load(Relaxed))
+    );
+    println!(
+        "  aborted + re-run           {}",
+        sum(runners, |m| m.aborted_reruns.load(Relaxed)) + sum(o.dispatchers, |m| m.aborted_reruns.load(Relaxed))
+    );
+    println!(
+        "  throughput                 {:.0} messages/s + {:.0} deliveries/s  ({:.2}s; message latency p50 {:.2} ms, p99 {:.2} ms)",
         (processed + already + dead) as f64 / elapsed.as_secs_f64(),
+        delivered as f64 / elapsed.as_secs_f64(),
         elapsed.as_secs_f64(),
         p50 as f64 / 1000.0,
         p99 as f64 / 1000.0
@@ -394,12 +404,6 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
     let every_charge_delivered = charged
         .iter()
         .all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
-    let delivered = sum(o.dispatchers, |m| m.processed.load(Relaxed) + m.already_committed.load(Relaxed));
-    println!(
-        "  intents written            {}   (delivered {delivered}; {} repeated deliveries, same key)",
-        sum(runners, |m| m.intents.load(Relaxed)),
-        o.charges.len() - charge_keys.len()
-    );
     let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
     let dead_in_table: u64 = stats
         .queues
