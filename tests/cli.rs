@@ -50,6 +50,9 @@ path = "charges.jsonl"
 
 [outbox]
 backoff_initial = "10ms"
+
+[admin]
+listen = "127.0.0.1:0"
 "#,
                 guest("payments").display()
             ),

@@ -493,6 +493,9 @@ lease = "1s"
 backoff_initial = "10ms"
 backoff_max = "200ms"
 max_attempts = 100
+
+[admin]
+listen = "127.0.0.1:0"
 "#,
             guest("payments").display(),
             server.url()

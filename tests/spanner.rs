@@ -173,6 +173,9 @@ path = "charges.jsonl"
 [outbox]
 workers = 1
 backoff_initial = "20ms"
+
+[admin]
+listen = "127.0.0.1:0"
 "#,
             guest("payments").display()
         ),

@@ -117,25 +117,74 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// `onceq run`: serve until a signal (or until empty).
+/// `onceq run`: serve until a signal (or until empty): the configured
+/// queues on their active versions, the outbox dispatchers, the admin API
+/// and the watched handler folder.
 pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
     let store = open_store(cfg).await?;
-    let runtime = Runtime::new(cfg.runtime.clone())?;
-    let runners = build_runners(cfg, &store, &runtime)?;
+    let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
+    let (deployer, mut runners) = crate::deploy::Deployer::open(cfg, &store, runtime)?;
+    runners.extend(build_outbox_runners(cfg, &store)?);
+    if runners.is_empty() {
+        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
+    }
+    let mut background = tokio::task::JoinSet::new();
+    let admin = Arc::new(crate::admin::Admin {
+        store: store.clone(),
+        runners: runners.clone(),
+        deployer: deployer.clone(),
+        token: cfg.admin.token.clone(),
+        ready: std::sync::atomic::AtomicBool::new(false),
+    });
+    let addr_file = cfg.state_dir.join("admin.addr");
+    if let Some(listen) = &cfg.admin.listen {
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| {
+            format!("admin API: cannot listen on {listen} (another host on this machine? set [admin] listen to another address, \"127.0.0.1:0\", or \"off\")")
+        })?;
+        let addr = listener.local_addr()?;
+        std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
+        tracing::info!(%addr, token = cfg.admin.token.is_some(), "admin API listening");
+        background.spawn(crate::admin::serve(admin.clone(), listener));
+    }
+    if let Some((dir, every)) = &cfg.watch {
+        background.spawn(deployer.clone().watch(dir.clone(), *every));
+    }
+    background.spawn(purge_loop(store.clone()));
     let (tx, _rx) = watch::channel(false);
     let tx = Arc::new(tx);
     let signal_tx = tx.clone();
-    let signals = tokio::spawn(async move {
+    background.spawn(async move {
         shutdown_signal().await;
         tracing::info!("shutdown requested: finishing in-flight messages, releasing the rest");
         let _ = signal_tx.send(true);
     });
     tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
-    let purge = tokio::spawn(purge_loop(store.clone()));
+    admin.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     protocol::run_queues(store, runners.clone(), tx, until_empty).await;
-    signals.abort();
-    purge.abort();
+    background.abort_all();
+    if cfg.admin.listen.is_some() {
+        let _ = std::fs::remove_file(&addr_file);
+    }
     Ok(runners)
+}
+
+/// Where a running host's admin API is: `--admin`, else `ONCEQ_ADMIN_URL`,
+/// else the address the host wrote to its state folder, else the
+/// configured `admin.listen`.
+pub fn admin_url(cfg: &Config, flag: Option<&str>) -> anyhow::Result<String> {
+    if let Some(u) = flag {
+        return Ok(u.to_string());
+    }
+    if let Ok(u) = std::env::var("ONCEQ_ADMIN_URL") {
+        return Ok(u);
+    }
+    if let Ok(a) = std::fs::read_to_string(cfg.state_dir.join("admin.addr")) {
+        return Ok(a.trim().to_string());
+    }
+    cfg.admin
+        .listen
+        .clone()
+        .context("the admin API is off (admin.listen = \"off\"): give --admin URL")
 }
 
 /// Parse `--attribute k=v`.

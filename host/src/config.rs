@@ -39,6 +39,22 @@ struct RawSpanner {
 struct RawRuntime {
     max_instances: Option<u32>,
     max_memory: Option<String>,
+    cache: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: Option<String>,
+    token: Option<String>,
+    token_env: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDeploy {
+    watch: Option<PathBuf>,
+    poll: Option<String>,
 }
 
 /// Settings a queue can set, or inherit from `[defaults]`.
@@ -111,6 +127,7 @@ struct RawConfig {
     store: String,
     schema: Option<OneOrMany>,
     dedup_window: Option<String>,
+    state_dir: Option<PathBuf>,
     #[serde(default)]
     sqlite: RawSqlite,
     #[serde(default)]
@@ -123,6 +140,10 @@ struct RawConfig {
     queues: Vec<RawQueue>,
     #[serde(default)]
     outbox: RawOutbox,
+    #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
+    deploy: RawDeploy,
     #[serde(default, rename = "connector")]
     connectors: Vec<RawConnector>,
 }
@@ -151,7 +172,27 @@ pub struct Config {
     pub outbox: OutboxSettings,
     /// Connectors by name, in file order.
     pub connectors: Vec<(String, ConnectorConfig)>,
+    /// This host's own files: deployed components, deployment history,
+    /// compiled-component cache, the admin API's address.
+    pub state_dir: PathBuf,
+    pub admin: AdminConfig,
+    /// Folder watched for `<queue>.wasm` handler files, and how often.
+    pub watch: Option<(PathBuf, Duration)>,
 }
+
+/// The admin HTTP API (`[admin]`).
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    /// Where to listen (`None`: no admin API).
+    pub listen: Option<String>,
+    /// The bearer token mutating endpoints require (`None`: they refuse).
+    pub token: Option<String>,
+}
+
+/// Default admin API address: loopback only.
+pub const ADMIN_LISTEN: &str = "127.0.0.1:7070";
+/// Environment variable read for the admin token by default.
+pub const ADMIN_TOKEN_ENV: &str = "ONCEQ_ADMIN_TOKEN";
 
 /// Default whole-request timeout of a `webhook` connector.
 pub const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -289,6 +330,10 @@ impl Config {
         if let Some(m) = &raw.runtime.max_memory {
             runtime.max_memory = parse_size("runtime.max_memory", m)?;
         }
+        let state_dir = resolve(base, raw.state_dir.as_deref().unwrap_or(Path::new(".onceq")));
+        if raw.runtime.cache.unwrap_or(true) {
+            runtime.cache_dir = Some(state_dir.join("cache"));
+        }
         let d = &raw.defaults;
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
@@ -409,6 +454,35 @@ impl Config {
         if outbox.lease < Duration::from_millis(100) {
             bail!("outbox.lease must be at least 100ms");
         }
+        let listen = match raw.admin.listen.as_deref() {
+            None => Some(ADMIN_LISTEN.to_string()),
+            Some("off") => None,
+            Some(a) => {
+                a.parse::<std::net::SocketAddr>()
+                    .with_context(|| format!("admin.listen: {a:?} is not an address (try \"127.0.0.1:7070\", or \"off\")"))?;
+                Some(a.to_string())
+            }
+        };
+        if raw.admin.token.is_some() && raw.admin.token_env.is_some() {
+            bail!("admin: set token or token_env, not both");
+        }
+        let token = match (&raw.admin.token, &raw.admin.token_env) {
+            (Some(t), _) if t.is_empty() => bail!("admin.token is empty"),
+            (Some(t), _) => Some(t.clone()),
+            (None, env) => std::env::var(env.as_deref().unwrap_or(ADMIN_TOKEN_ENV))
+                .ok()
+                .filter(|t| !t.is_empty()),
+        };
+        let watch = match &raw.deploy.watch {
+            None => None,
+            Some(dir) => Some((
+                resolve(base, dir),
+                match &raw.deploy.poll {
+                    Some(p) => parse_duration("deploy.poll", p)?,
+                    None => Duration::from_secs(1),
+                },
+            )),
+        };
         Ok(Config {
             store,
             schema,
@@ -417,6 +491,9 @@ impl Config {
             queues,
             outbox,
             connectors,
+            state_dir,
+            admin: AdminConfig { listen, token },
+            watch,
         })
     }
 

@@ -366,7 +366,9 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
     let delivered = sum(o.dispatchers, |m| m.processed.load(Relaxed) + m.already_committed.load(Relaxed));
     println!(
         "  intents delivered          {delivered}   (to charges.jsonl after commit; {} repeats after an unknown outcome, same key)",
-        o.charges.len().saturating_sub(o.charges.iter().collect::<std::collections::BTreeSet<_>>().len())
+        o.charges
+            .len()
+            .saturating_sub(o.charges.iter().collect::<std::collections::BTreeSet<_>>().len())
     );
     println!(
         "  unknown outcomes injected  {faults}   (re-runs: {} of messages, {} of deliveries)",

@@ -18,11 +18,17 @@
 //! - [`schema`]: business tables as read from the database, and write
 //!   validation.
 //! - [`config`]: the `onceq.toml` file.
+//! - [`deploy`]: hot swap: validated deploys, versions, rollback, the
+//!   watched folder.
+//! - [`admin`]: the admin HTTP API (health, Prometheus metrics, stats,
+//!   deploy/rollback/versions behind a bearer token).
 //! - [`app`]: what the CLI commands do (the `onceq` binary is a thin shell).
 
+pub mod admin;
 pub mod app;
 pub mod config;
 pub mod demo;
+pub mod deploy;
 pub mod outbox;
 pub mod protocol;
 pub mod runtime;

@@ -91,6 +91,7 @@ pub fn runtime() -> Runtime {
     Runtime::new(RuntimeConfig {
         max_instances: 64,
         max_memory: 64 << 20,
+        ..Default::default()
     })
     .expect("runtime")
 }

@@ -42,8 +42,8 @@ pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadScop
 
 use crate::store::{DeadLetterParams, LeaseParams, LeasedMessage, Store, StoreError};
 use rand::RngExt;
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -89,6 +89,7 @@ impl Default for Policy {
 /// Everything the protocol needs to work one queue.
 pub struct QueueSpec {
     pub name: String,
+    /// The first handler; [`QueueRunner::swap_handler`] replaces it.
     pub handler: Arc<dyn Handler>,
     pub grants: Grants,
     pub limits: EffectLimits,
@@ -120,6 +121,10 @@ pub struct Metrics {
     pub lease_renewals: AtomicU64,
     /// Work cancelled because its lease was lost (or could not be renewed).
     pub cancelled: AtomicU64,
+    /// Messages being processed right now.
+    pub in_flight: AtomicI64,
+    /// Final outcomes per handler version.
+    pub by_version: Mutex<BTreeMap<String, VersionCounts>>,
     pub writes: AtomicU64,
     pub intents: AtomicU64,
     pub enqueued: AtomicU64,
@@ -127,7 +132,30 @@ pub struct Metrics {
     pub latency_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
 }
 
+/// Final outcomes of the messages one handler version processed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct VersionCounts {
+    pub processed: u64,
+    pub already_committed: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+}
+
 impl Metrics {
+    fn record_version(&self, version: &str, f: impl FnOnce(&mut VersionCounts)) {
+        if let Ok(mut m) = self.by_version.lock() {
+            match m.get_mut(version) {
+                Some(c) => f(c),
+                None => f(m.entry(version.to_string()).or_default()),
+            }
+        }
+    }
+
+    /// Outcomes per version so far.
+    pub fn versions(&self) -> BTreeMap<String, VersionCounts> {
+        self.by_version.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
     fn record_latency(&self, d: Duration) {
         if let Ok(mut h) = self.latency_us.lock() {
             if h.is_none() {
@@ -137,6 +165,33 @@ impl Metrics {
                 let _ = h.record(d.as_micros().max(1) as u64);
             }
         }
+    }
+
+    /// Latency as a histogram: (sum in seconds, count, per-bucket counts for
+    /// `bounds` in seconds, then the rest under `f64::MAX`).
+    pub fn latency_buckets(&self, bounds: &[f64]) -> (f64, u64, Vec<(f64, u64)>) {
+        let guard = self.latency_us.lock();
+        let h = match guard.as_ref().ok().and_then(|g| g.as_ref()) {
+            Some(h) => h,
+            None => {
+                return (
+                    0.0,
+                    0,
+                    bounds.iter().map(|b| (*b, 0)).chain(std::iter::once((f64::MAX, 0))).collect(),
+                )
+            }
+        };
+        let count = h.len();
+        let sum = h.mean() * count as f64 / 1e6;
+        let mut out = Vec::with_capacity(bounds.len() + 1);
+        let mut below = 0;
+        for b in bounds {
+            let upto = h.count_between(0, (b * 1e6) as u64);
+            out.push((*b, upto.saturating_sub(below)));
+            below = upto.max(below);
+        }
+        out.push((f64::MAX, count.saturating_sub(below)));
+        (sum, count, out)
     }
 
     /// Latency quantile in microseconds (0 when nothing was recorded).
@@ -169,6 +224,9 @@ pub enum Outcome {
 /// Works one queue: leases, runs the handler, commits.
 pub struct QueueRunner {
     pub spec: QueueSpec,
+    /// The handler new leases use (swapped atomically by a deploy; a message
+    /// keeps the handler it started with through all its re-runs).
+    handler: std::sync::RwLock<Arc<dyn Handler>>,
     store: Arc<dyn Store>,
     tables: Arc<BTreeSet<String>>,
     pub metrics: Arc<Metrics>,
@@ -186,12 +244,32 @@ impl QueueRunner {
     pub fn new(spec: QueueSpec, store: Arc<dyn Store>) -> QueueRunner {
         let tables = Arc::new(spec.grants.tables.clone());
         QueueRunner {
+            handler: std::sync::RwLock::new(spec.handler.clone()),
             spec,
             store,
             tables,
             metrics: Arc::new(Metrics::default()),
             idle: Arc::new(tokio::sync::Notify::new()),
         }
+    }
+
+    /// The handler messages leased from now on are given to.
+    pub fn handler(&self) -> Arc<dyn Handler> {
+        match self.handler.read() {
+            Ok(h) => h.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Switch to `new` atomically: messages that start from now on run on
+    /// it; messages in flight finish on the handler they started with.
+    /// Returns the handler it replaced.
+    pub fn swap_handler(&self, new: Arc<dyn Handler>) -> Arc<dyn Handler> {
+        let mut guard = match self.handler.write() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        std::mem::replace(&mut *guard, new)
     }
 
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
@@ -341,6 +419,8 @@ impl QueueRunner {
 
     /// [`Self::process`], setting `committing` while a commit is in flight.
     async fn process_tracked(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Outcome {
+        let handler = self.handler();
+        let version = handler.version().to_string();
         let span = info_span!(
             "message",
             messaging.system = "onceq",
@@ -348,27 +428,33 @@ impl QueueRunner {
             queue = %lm.message.queue,
             message_id = %lm.message.id,
             attempt = lm.message.attempt,
-            version = %self.spec.handler.version(),
+            version = %version,
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let outcome = self.process_inner(lm, committing).instrument(span.clone()).await;
-        span.record("outcome", tracing::field::debug(&outcome));
         let m = &self.metrics;
+        m.in_flight.fetch_add(1, Ordering::Relaxed);
+        let outcome = self.process_inner(lm, &*handler, committing).instrument(span.clone()).await;
+        m.in_flight.fetch_sub(1, Ordering::Relaxed);
+        span.record("outcome", tracing::field::debug(&outcome));
         match &outcome {
             Outcome::Acked => {
                 m.processed.fetch_add(1, Ordering::Relaxed);
+                m.record_version(&version, |c| c.processed += 1);
                 m.record_latency(started.elapsed());
             }
             Outcome::AlreadyCommitted => {
                 m.already_committed.fetch_add(1, Ordering::Relaxed);
+                m.record_version(&version, |c| c.already_committed += 1);
                 m.record_latency(started.elapsed());
             }
             Outcome::RetryLater(_) => {
                 m.retried.fetch_add(1, Ordering::Relaxed);
+                m.record_version(&version, |c| c.retried += 1);
             }
             Outcome::DeadLettered(reason) => {
                 m.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                m.record_version(&version, |c| c.dead_lettered += 1);
                 info!(parent: &span, "dead-lettered: {reason}");
             }
             Outcome::LeaseLost => {
@@ -381,11 +467,11 @@ impl QueueRunner {
         outcome
     }
 
-    async fn process_inner(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Outcome {
+    async fn process_inner(&self, lm: &LeasedMessage, handler: &dyn Handler, committing: &AtomicBool) -> Outcome {
         let mut unknown_seen = false;
         let mut reruns = 0u32;
         loop {
-            let err = match self.attempt(lm, committing).await {
+            let err = match self.attempt(lm, handler, committing).await {
                 Ok(()) => return Outcome::Acked,
                 Err(e) => e,
             };
@@ -413,25 +499,25 @@ impl QueueRunner {
                 }
                 AttemptError::Store(StoreError::WriteRefused(m)) => {
                     return self
-                        .fail(lm, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen)
+                        .fail(lm, handler, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen)
                         .await;
                 }
                 AttemptError::Store(e) => {
                     return self
-                        .fail(lm, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
+                        .fail(lm, handler, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
                         .await;
                 }
-                AttemptError::Handler(f) => return self.fail(lm, f, unknown_seen).await,
+                AttemptError::Handler(f) => return self.fail(lm, handler, f, unknown_seen).await,
             }
         }
     }
 
     /// One run of steps 2-4.
-    async fn attempt(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Result<(), AttemptError> {
+    async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, committing: &AtomicBool) -> Result<(), AttemptError> {
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone());
-        let HandleOutput { scope, result } = self.spec.handler.handle(&lm.message, scope).await;
+        let HandleOutput { scope, result } = handler.handle(&lm.message, scope).await;
         let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
         let mut tx = scope.into_transaction();
@@ -481,10 +567,10 @@ impl QueueRunner {
     }
 
     /// Step 5: retry later or dead-letter, guarded by the lease token.
-    async fn fail(&self, lm: &LeasedMessage, failure: HandlerFailure, mut unknown_seen: bool) -> Outcome {
+    async fn fail(&self, lm: &LeasedMessage, handler: &dyn Handler, failure: HandlerFailure, mut unknown_seen: bool) -> Outcome {
         let attempt = lm.message.attempt;
         let max = self.spec.policy.max_attempts;
-        let version = Some(self.spec.handler.version().to_string());
+        let version = Some(handler.version().to_string());
         enum Step {
             Retry(Duration, String),
             Dead(String),

@@ -45,6 +45,11 @@ pub struct RuntimeConfig {
     pub max_instances: u32,
     /// Largest linear memory any handler may be given.
     pub max_memory: usize,
+    /// Where compiled components are cached (wasmtime's serialized form,
+    /// keyed by the component's bytes and the engine's settings), so a
+    /// restart or a redeploy of known bytes does not recompile. `None`: no
+    /// cache.
+    pub cache_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for RuntimeConfig {
@@ -52,6 +57,7 @@ impl Default for RuntimeConfig {
         RuntimeConfig {
             max_instances: 128,
             max_memory: 64 << 20,
+            cache_dir: None,
         }
     }
 }
@@ -139,6 +145,16 @@ impl Runtime {
         cfg.wasm_component_model(true)
             .epoch_interruption(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        if let Some(dir) = &config.cache_dir {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("creating the compiled-component cache {}: {e}", dir.display()))?;
+            // wasmtime wants an absolute path.
+            let dir = std::path::absolute(dir).map_err(|e| anyhow::anyhow!("compiled-component cache {}: {e}", dir.display()))?;
+            let mut cc = wasmtime::CacheConfig::new();
+            cc.with_directory(&dir);
+            let cache =
+                wasmtime::Cache::new(cc).map_err(|e| anyhow::anyhow!("opening the compiled-component cache {}: {e}", dir.display()))?;
+            cfg.cache(Some(cache));
+        }
         let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("creating the wasmtime engine: {e}"))?;
         let mut linker = Linker::<HostState>::new(&engine);
         bindings::QueueHandler::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)

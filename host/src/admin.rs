@@ -1,0 +1,412 @@
+//! The admin HTTP API of a running host (`onceq run`), on loopback by
+//! default (`admin.listen`).
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | GET | `/healthz` | 200 while the process runs |
+//! | GET | `/readyz` | 200 once serving and the store answers; 503 otherwise |
+//! | GET | `/metrics` | Prometheus (OpenMetrics text) |
+//! | GET | `/v1/stats` | queue and outbox counts, as `onceq stats --json` |
+//! | GET | `/v1/queues/{queue}/versions` | deployments, newest first, the active one marked |
+//! | POST | `/v1/queues/{queue}/deploy[?label=L]` | body: the component; validated, then switched to |
+//! | POST | `/v1/queues/{queue}/rollback` | back to the previous version |
+//!
+//! Mutating endpoints (POST) require `Authorization: Bearer <token>`, the
+//! token coming from `admin.token` or the environment (`admin.token_env`,
+//! default `ONCEQ_ADMIN_TOKEN`). Without a configured token they answer 401
+//! to everyone: deploys are off until an operator sets one.
+
+use crate::deploy::{DeployFailure, Deployer};
+use crate::outbox;
+use crate::protocol::QueueRunner;
+use crate::store::Store;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest component a deploy accepts (JS and Python components are tens
+/// of MB).
+pub const MAX_COMPONENT_BYTES: usize = 256 << 20;
+
+/// Handler latency histogram buckets, seconds.
+const LATENCY_BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// What the admin API serves.
+pub struct Admin {
+    pub store: Arc<dyn Store>,
+    pub runners: Vec<Arc<QueueRunner>>,
+    pub deployer: Arc<Deployer>,
+    pub token: Option<String>,
+    /// Set once the queues are being served.
+    pub ready: AtomicBool,
+}
+
+impl std::fmt::Debug for Admin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admin").field("queues", &self.runners.len()).finish()
+    }
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
+}
+
+/// Constant-time comparison of the presented token with the configured one.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// `None` if the request carries the configured token, else the refusal.
+fn refusal(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
+    let Some(expected) = &admin.token else {
+        return Some(error(
+            StatusCode::UNAUTHORIZED,
+            "no admin token is configured on this host: set admin.token, or the variable named by admin.token_env (default ONCEQ_ADMIN_TOKEN)",
+        ));
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match presented {
+        Some(t) if same(t.as_bytes(), expected.as_bytes()) => None,
+        Some(_) => Some(error(StatusCode::UNAUTHORIZED, "wrong bearer token")),
+        None => Some(error(StatusCode::UNAUTHORIZED, "missing Authorization: Bearer <token>")),
+    }
+}
+
+fn deploy_error(e: DeployFailure) -> Response {
+    let status = match &e {
+        DeployFailure::UnknownQueue(_) => StatusCode::NOT_FOUND,
+        DeployFailure::Refused { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+        DeployFailure::NothingToRollBack(_) => StatusCode::CONFLICT,
+        DeployFailure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    error(status, e.to_string())
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(admin): State<Arc<Admin>>) -> Response {
+    if !admin.ready.load(Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response();
+    }
+    match tokio::time::timeout(Duration::from_secs(2), admin.store.stats()).await {
+        Ok(Ok(_)) => (StatusCode::OK, "ready\n").into_response(),
+        Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store error: {e}\n")).into_response(),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "store did not answer within 2s\n").into_response(),
+    }
+}
+
+async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Collector(admin.clone())));
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &registry) {
+        Ok(()) => (
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            text,
+        )
+            .into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}")),
+    }
+}
+
+async fn stats(State(admin): State<Arc<Admin>>) -> Response {
+    match admin.store.stats().await {
+        Ok(s) => {
+            let (queues, outbox) = crate::app::outbox_stats(&s);
+            Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": admin.deployer.active() })).into_response()
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn versions(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
+    match admin.deployer.versions(&queue).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct DeployQuery {
+    label: Option<String>,
+}
+
+async fn deploy(
+    State(admin): State<Arc<Admin>>,
+    Path(queue): Path<String>,
+    Query(q): Query<DeployQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = refusal(&admin, &headers) {
+        return r;
+    }
+    if body.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "the request body must be the component's bytes");
+    }
+    match admin.deployer.deploy(&queue, body.to_vec(), q.label, "api").await {
+        Ok(d) => Json(d).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}
+
+async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, headers: HeaderMap) -> Response {
+    if let Some(r) = refusal(&admin, &headers) {
+        return r;
+    }
+    match admin.deployer.rollback(&queue).await {
+        Ok(d) => Json(d).into_response(),
+        Err(e) => deploy_error(e),
+    }
+}
+
+/// The admin API's routes.
+pub fn router(admin: Arc<Admin>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/stats", get(stats))
+        .route("/v1/queues/{queue}/versions", get(versions))
+        .route("/v1/queues/{queue}/deploy", post(deploy))
+        .route("/v1/queues/{queue}/rollback", post(rollback))
+        .layer(DefaultBodyLimit::max(MAX_COMPONENT_BYTES))
+        .with_state(admin)
+}
+
+/// Serve until the task is dropped.
+pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener) {
+    if let Err(e) = axum::serve(listener, router(admin)).await {
+        tracing::error!("admin API stopped: {e}");
+    }
+}
+
+/// Reads the runners' counters at each scrape (no second set of books).
+#[derive(Debug)]
+struct Collector(Arc<Admin>);
+
+type Labels = Vec<(&'static str, String)>;
+
+fn counters(e: &mut DescriptorEncoder, name: &str, help: &str, rows: &[(Labels, u64)]) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauges(e: &mut DescriptorEncoder, name: &str, help: &str, rows: &[(Labels, i64)]) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in rows {
+        ConstGauge::new(*v).encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl prometheus_client::collector::Collector for Collector {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let runners = &self.0.runners;
+        let (queues, outboxes): (Vec<_>, Vec<_>) = runners.iter().partition(|r| outbox::connector_of(&r.spec.name).is_none());
+        let q = |r: &QueueRunner| vec![("queue", r.spec.name.clone())];
+        let per_version = |f: fn(&crate::protocol::VersionCounts) -> u64| -> Vec<(Labels, u64)> {
+            queues
+                .iter()
+                .flat_map(|r| {
+                    r.metrics
+                        .versions()
+                        .into_iter()
+                        .map(|(v, c)| (vec![("queue", r.spec.name.clone()), ("version", v)], f(&c)))
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        counters(
+            &mut e,
+            "onceq_messages_processed",
+            "Messages committed with their ack, per queue and handler version",
+            &per_version(|c| c.processed),
+        )?;
+        counters(
+            &mut e,
+            "onceq_messages_already_committed",
+            "Messages found already committed after an unknown commit outcome",
+            &per_version(|c| c.already_committed),
+        )?;
+        counters(
+            &mut e,
+            "onceq_messages_retried",
+            "Attempts that ended in a retry later",
+            &per_version(|c| c.retried),
+        )?;
+        counters(
+            &mut e,
+            "onceq_messages_dead_lettered",
+            "Messages moved to the dead-letter table",
+            &per_version(|c| c.dead_lettered),
+        )?;
+        let each = |rs: &[&Arc<QueueRunner>], f: fn(&crate::protocol::Metrics) -> u64| -> Vec<(Labels, u64)> {
+            rs.iter().map(|r| (q(r), f(&r.metrics))).collect()
+        };
+        counters(
+            &mut e,
+            "onceq_unknown_outcomes",
+            "Commits whose outcome was unknown (each resolved by re-running)",
+            &each(&queues, |m| m.unknown_outcomes.load(Relaxed)),
+        )?;
+        counters(
+            &mut e,
+            "onceq_lease_renewals",
+            "Leases extended while a message waited or was handled",
+            &each(runners.iter().collect::<Vec<_>>().as_slice(), |m| m.lease_renewals.load(Relaxed)),
+        )?;
+        counters(
+            &mut e,
+            "onceq_leases_lost",
+            "Leases lost (expired and taken by another worker, or renewal failed)",
+            &each(runners.iter().collect::<Vec<_>>().as_slice(), |m| m.lease_lost.load(Relaxed)),
+        )?;
+        gauges(
+            &mut e,
+            "onceq_in_flight",
+            "Messages (and intents) being processed now",
+            &runners
+                .iter()
+                .map(|r| (q(r), r.metrics.in_flight.load(Relaxed)))
+                .collect::<Vec<_>>(),
+        )?;
+        let conn = |r: &QueueRunner| vec![("connector", outbox::connector_of(&r.spec.name).unwrap_or_default().to_string())];
+        counters(
+            &mut e,
+            "onceq_outbox_delivered",
+            "Intents delivered (acked after the connector accepted them)",
+            &outboxes
+                .iter()
+                .map(|r| {
+                    (
+                        conn(r),
+                        r.metrics.processed.load(Relaxed) + r.metrics.already_committed.load(Relaxed),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        counters(
+            &mut e,
+            "onceq_outbox_failed",
+            "Delivery attempts that failed (retried later, or dead-lettered)",
+            &outboxes
+                .iter()
+                .map(|r| (conn(r), r.metrics.retried.load(Relaxed) + r.metrics.dead_lettered.load(Relaxed)))
+                .collect::<Vec<_>>(),
+        )?;
+        counters(
+            &mut e,
+            "onceq_outbox_dead_lettered",
+            "Intents refused for good or out of attempts",
+            &outboxes
+                .iter()
+                .map(|r| (conn(r), r.metrics.dead_lettered.load(Relaxed)))
+                .collect::<Vec<_>>(),
+        )?;
+        {
+            let mut m = e.encode_descriptor(
+                "onceq_handler_version",
+                "The handler version new leases use (1 per queue)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (queue, version) in self.0.deployer.active() {
+                let labels: Labels = vec![("queue", queue), ("version", version)];
+                ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = e.encode_descriptor(
+                "onceq_message_duration_seconds",
+                "Lease-to-outcome time of acked messages (handler, reads and commit)",
+                None,
+                MetricType::Histogram,
+            )?;
+            for r in runners {
+                let (sum, count, buckets) = r.metrics.latency_buckets(&LATENCY_BUCKETS);
+                let labels = q(r);
+                m.encode_family(&labels)?
+                    .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Talks to a running host's admin API (the `deploy`, `versions` and
+/// `rollback` commands).
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl Client {
+    pub fn new(base: &str, token: Option<String>) -> anyhow::Result<Client> {
+        let base = if base.starts_with("http://") || base.starts_with("https://") {
+            base.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", base.trim_end_matches('/'))
+        };
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .build()
+            .map_err(|e| anyhow::anyhow!("building the HTTP client: {e}"))?;
+        Ok(Client { http, base, token })
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> anyhow::Result<serde_json::Value> {
+        let req = match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        };
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("the admin API at {} did not answer (is `onceq run` running?): {e}", self.base))?;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+        if !status.is_success() {
+            let msg = body["error"].as_str().unwrap_or("no details");
+            anyhow::bail!("{msg} (HTTP {status})");
+        }
+        Ok(body)
+    }
+
+    pub async fn deploy(&self, queue: &str, component: Vec<u8>, label: Option<&str>) -> anyhow::Result<crate::deploy::Deployment> {
+        let mut req = self.http.post(format!("{}/v1/queues/{queue}/deploy", self.base)).body(component);
+        if let Some(l) = label {
+            req = req.query(&[("label", l)]);
+        }
+        Ok(serde_json::from_value(self.send(req).await?)?)
+    }
+
+    pub async fn rollback(&self, queue: &str) -> anyhow::Result<crate::deploy::Deployment> {
+        let req = self.http.post(format!("{}/v1/queues/{queue}/rollback", self.base));
+        Ok(serde_json::from_value(self.send(req).await?)?)
+    }
+
+    pub async fn versions(&self, queue: &str) -> anyhow::Result<Vec<crate::deploy::VersionInfo>> {
+        let req = self.http.get(format!("{}/v1/queues/{queue}/versions", self.base));
+        Ok(serde_json::from_value(self.send(req).await?)?)
+    }
+}

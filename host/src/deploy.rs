@@ -1,0 +1,377 @@
+//! Hot swap: deploying a new version of a queue's handler while the host
+//! runs, without dropping or double-processing a message.
+//!
+//! - **Validate first.** A new component is compiled and checked (imports,
+//!   exports, world) *before* anything changes; a refused one leaves the
+//!   running version serving and the error names the problem.
+//! - **Atomic switch, in-flight drain.** The switch replaces the handler the
+//!   queue's workers hand *new* leases to ([`QueueRunner::swap_handler`]); a
+//!   message already in flight keeps the version it started with through
+//!   all its re-runs, and the version is recorded with its outcome (metrics
+//!   per version, the dead letter's `handler_version`, the log span).
+//!   Exactly-once does not depend on versions at all: the ack is still the
+//!   guard.
+//! - **Versions** are content hashes (sha256, 16 hex digits) with an
+//!   optional label. Each host keeps its deployment history and the
+//!   components' bytes in its state folder (`state_dir`):
+//!   `deployments.json` and `components/<version>.wasm`, so a restart keeps
+//!   the deployed version and `rollback` can return to the previous one.
+//! - **Sources**: the config file (`queue.handler`; a changed file wins at
+//!   start), the admin API (`onceq deploy`), a watched folder
+//!   (`deploy.watch`: `<dir>/<queue>.wasm` replaced on disk), a rollback.
+//! - Compiled code is cached on disk by the runtime (`runtime.cache`), so a
+//!   restart or a rollback does not recompile.
+
+use crate::config::{Config, QueueConfig};
+use crate::protocol::{Handler, QueueRunner, QueueSpec};
+use crate::runtime::{HandlerLimits, Runtime};
+use crate::store::Store;
+use anyhow::Context;
+use sha2::Digest;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One deployment of a version to a queue.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Deployment {
+    pub version: String,
+    pub label: Option<String>,
+    /// "config", "api", "watch" or "rollback".
+    pub source: String,
+    /// When, in milliseconds since the Unix epoch (host clock).
+    pub at_ms: u64,
+    pub size: u64,
+}
+
+/// A row of `onceq versions`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VersionInfo {
+    #[serde(flatten)]
+    pub deployment: Deployment,
+    pub active: bool,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+struct History {
+    /// Per queue, oldest first; the last entry is the active version.
+    queues: BTreeMap<String, Vec<Deployment>>,
+}
+
+/// Why a deploy or a rollback did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum DeployFailure {
+    #[error("no queue named {0} on this host")]
+    UnknownQueue(String),
+    #[error("component refused, version {version} not deployed (the running version keeps serving): {reason}")]
+    Refused { version: String, reason: String },
+    #[error("queue {0} has no earlier version to roll back to")]
+    NothingToRollBack(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// The content hash that names a version.
+pub fn version_of(bytes: &[u8]) -> String {
+    let d = sha2::Sha256::digest(bytes);
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Write `bytes` to `path` atomically (temporary file, then rename).
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+struct Slot {
+    runner: Arc<QueueRunner>,
+    limits: HandlerLimits,
+}
+
+/// Deploys, rolls back and lists the versions of this host's queues.
+pub struct Deployer {
+    runtime: Arc<Runtime>,
+    dir: PathBuf,
+    slots: BTreeMap<String, Slot>,
+    history: tokio::sync::Mutex<History>,
+}
+
+impl Deployer {
+    fn history_path(dir: &Path) -> PathBuf {
+        dir.join("deployments.json")
+    }
+
+    fn component_path(&self, version: &str) -> PathBuf {
+        self.dir.join("components").join(format!("{version}.wasm"))
+    }
+
+    fn load_history(dir: &Path) -> anyhow::Result<History> {
+        let p = Self::history_path(dir);
+        match std::fs::read(&p) {
+            Ok(b) => serde_json::from_slice(&b).with_context(|| format!("{} is not a deployment history", p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(History::default()),
+            Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+        }
+    }
+
+    fn save_history(dir: &Path, h: &History) -> Result<(), DeployFailure> {
+        let bytes = serde_json::to_vec_pretty(h).map_err(|e| DeployFailure::Internal(e.to_string()))?;
+        write_atomic(&Self::history_path(dir), &bytes)
+            .map_err(|e| DeployFailure::Internal(format!("saving the deployment history in {}: {e}", dir.display())))
+    }
+
+    /// Build the runners of the configured queues, each on its active
+    /// version: the last deployed one, unless the config's handler file
+    /// changed since it was last deployed from the config (then that file).
+    pub fn open(cfg: &Config, store: &Arc<dyn Store>, runtime: Arc<Runtime>) -> anyhow::Result<(Arc<Deployer>, Vec<Arc<QueueRunner>>)> {
+        let dir = cfg.state_dir.clone();
+        std::fs::create_dir_all(dir.join("components")).with_context(|| format!("creating the state folder {}", dir.display()))?;
+        let mut history = Self::load_history(&dir)?;
+        runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
+        let mut slots = BTreeMap::new();
+        let mut runners = Vec::new();
+        for q in &cfg.queues {
+            crate::app::check_grants(q, store.as_ref())?;
+            let (handler, deployment) = Self::initial(&dir, &runtime, q, history.queues.get(&q.name))?;
+            if let Some(d) = deployment {
+                history.queues.entry(q.name.clone()).or_default().push(d);
+            }
+            tracing::info!(queue = %q.name, version = %handler.version(), "handler loaded");
+            let runner = Arc::new(QueueRunner::new(
+                QueueSpec {
+                    name: q.name.clone(),
+                    handler,
+                    grants: q.grants.clone(),
+                    limits: q.effect_limits,
+                    policy: q.policy.clone(),
+                    key_retention: None,
+                },
+                store.clone(),
+            ));
+            slots.insert(
+                q.name.clone(),
+                Slot {
+                    runner: runner.clone(),
+                    limits: q.limits,
+                },
+            );
+            runners.push(runner);
+        }
+        Self::save_history(&dir, &history)?;
+        let deployer = Arc::new(Deployer {
+            runtime,
+            dir,
+            slots,
+            history: tokio::sync::Mutex::new(history),
+        });
+        Ok((deployer, runners))
+    }
+
+    /// The handler a queue starts on, and the deployment to record if the
+    /// config's file is (newly) the active version.
+    fn initial(
+        dir: &Path,
+        runtime: &Runtime,
+        q: &QueueConfig,
+        past: Option<&Vec<Deployment>>,
+    ) -> anyhow::Result<(Arc<dyn Handler>, Option<Deployment>)> {
+        let bytes = std::fs::read(&q.handler).with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
+        let version = version_of(&bytes);
+        let last_from_config = past.and_then(|h| h.iter().rev().find(|d| d.source == "config"));
+        let active = past.and_then(|h| h.last());
+        if let (Some(active), Some(cfgd)) = (active, last_from_config) {
+            if cfgd.version == version && active.version != version {
+                // Deployed since the config file was last read: keep it.
+                let path = dir.join("components").join(format!("{}.wasm", active.version));
+                match std::fs::read(&path) {
+                    Ok(b) => {
+                        let h = runtime
+                            .load(&b, q.limits)
+                            .map_err(|e| anyhow::anyhow!("queue {}: deployed version {} refused: {e}", q.name, active.version))?;
+                        return Ok((Arc::new(h), None));
+                    }
+                    Err(e) => tracing::warn!(
+                        queue = %q.name,
+                        "deployed version {} is missing ({}: {e}); starting on the config's handler",
+                        active.version,
+                        path.display()
+                    ),
+                }
+            }
+        }
+        let h = runtime
+            .load(&bytes, q.limits)
+            .map_err(|e| anyhow::anyhow!("queue {}: handler {} refused: {e}", q.name, q.handler.display()))?;
+        write_atomic(&dir.join("components").join(format!("{version}.wasm")), &bytes)
+            .with_context(|| format!("storing version {version} in {}", dir.display()))?;
+        let record = if active.map(|a| a.version.as_str()) == Some(version.as_str()) {
+            None
+        } else {
+            Some(Deployment {
+                version,
+                label: None,
+                source: "config".into(),
+                at_ms: now_ms(),
+                size: bytes.len() as u64,
+            })
+        };
+        Ok((Arc::new(h), record))
+    }
+
+    /// The queues this host can deploy to.
+    pub fn queues(&self) -> Vec<String> {
+        self.slots.keys().cloned().collect()
+    }
+
+    /// Validate and compile `bytes`, then switch `queue` to it. Deploying the
+    /// active version again changes nothing (its label may be updated).
+    pub async fn deploy(&self, queue: &str, bytes: Vec<u8>, label: Option<String>, source: &str) -> Result<Deployment, DeployFailure> {
+        let slot = self
+            .slots
+            .get(queue)
+            .ok_or_else(|| DeployFailure::UnknownQueue(queue.to_string()))?;
+        let version = version_of(&bytes);
+        let (runtime, limits) = (self.runtime.clone(), slot.limits);
+        let compiled = {
+            let bytes = bytes.clone();
+            tokio::task::spawn_blocking(move || runtime.load(&bytes, limits))
+                .await
+                .map_err(|e| DeployFailure::Internal(format!("compiling: {e}")))?
+        };
+        let handler = compiled.map_err(|e| DeployFailure::Refused {
+            version: version.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut history = self.history.lock().await;
+        let entries = history.queues.entry(queue.to_string()).or_default();
+        if let Some(active) = entries.last_mut() {
+            if active.version == version {
+                if label.is_some() && active.label != label {
+                    active.label = label;
+                    let d = active.clone();
+                    Self::save_history(&self.dir, &history)?;
+                    return Ok(d);
+                }
+                return Ok(active.clone());
+            }
+        }
+        write_atomic(&self.component_path(&version), &bytes)
+            .map_err(|e| DeployFailure::Internal(format!("storing version {version}: {e}")))?;
+        let d = Deployment {
+            version,
+            label,
+            source: source.to_string(),
+            at_ms: now_ms(),
+            size: bytes.len() as u64,
+        };
+        let old = slot.runner.swap_handler(Arc::new(handler));
+        history.queues.entry(queue.to_string()).or_default().push(d.clone());
+        Self::save_history(&self.dir, &history)?;
+        tracing::info!(
+            queue,
+            from = %old.version(),
+            to = %d.version,
+            label = d.label.as_deref().unwrap_or(""),
+            source,
+            "deployed: new leases use the new version; messages in flight finish on the old one"
+        );
+        Ok(d)
+    }
+
+    /// Switch `queue` back to the version active before the current one.
+    pub async fn rollback(&self, queue: &str) -> Result<Deployment, DeployFailure> {
+        if !self.slots.contains_key(queue) {
+            return Err(DeployFailure::UnknownQueue(queue.to_string()));
+        }
+        let previous = {
+            let history = self.history.lock().await;
+            let entries = history.queues.get(queue).cloned().unwrap_or_default();
+            let active = entries.last().map(|d| d.version.clone());
+            entries
+                .iter()
+                .rev()
+                .find(|d| Some(&d.version) != active.as_ref())
+                .cloned()
+                .ok_or_else(|| DeployFailure::NothingToRollBack(queue.to_string()))?
+        };
+        let bytes = std::fs::read(self.component_path(&previous.version))
+            .map_err(|e| DeployFailure::Internal(format!("version {} is no longer stored on this host: {e}", previous.version)))?;
+        self.deploy(queue, bytes, previous.label, "rollback").await
+    }
+
+    /// A queue's deployments, newest first, the active one marked.
+    pub async fn versions(&self, queue: &str) -> Result<Vec<VersionInfo>, DeployFailure> {
+        if !self.slots.contains_key(queue) {
+            return Err(DeployFailure::UnknownQueue(queue.to_string()));
+        }
+        let history = self.history.lock().await;
+        let entries = history.queues.get(queue).cloned().unwrap_or_default();
+        let n = entries.len();
+        Ok(entries
+            .into_iter()
+            .enumerate()
+            .rev()
+            .map(|(i, deployment)| VersionInfo {
+                deployment,
+                active: i + 1 == n,
+            })
+            .collect())
+    }
+
+    /// The version each queue's new leases use.
+    pub fn active(&self) -> BTreeMap<String, String> {
+        self.slots
+            .iter()
+            .map(|(q, s)| (q.clone(), s.runner.handler().version().to_string()))
+            .collect()
+    }
+
+    /// Watch `dir` for `<queue>.wasm` files and deploy each new content
+    /// (source "watch"). A refused file is logged once per content.
+    pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration) {
+        let mut seen: BTreeMap<String, (u64, Option<std::time::SystemTime>)> = BTreeMap::new();
+        let mut refused: BTreeMap<String, String> = BTreeMap::new();
+        tracing::info!(dir = %dir.display(), "watching for handler files (<queue>.wasm)");
+        loop {
+            for queue in self.queues() {
+                let path = dir.join(format!("{queue}.wasm"));
+                let Ok(meta) = std::fs::metadata(&path) else { continue };
+                let stamp = (meta.len(), meta.modified().ok());
+                if seen.get(&queue) == Some(&stamp) {
+                    continue;
+                }
+                let Ok(bytes) = std::fs::read(&path) else { continue };
+                let version = version_of(&bytes);
+                if refused.get(&queue) == Some(&version) {
+                    seen.insert(queue, stamp);
+                    continue;
+                }
+                match self.deploy(&queue, bytes, None, "watch").await {
+                    Ok(_) => {
+                        seen.insert(queue.clone(), stamp);
+                        refused.remove(&queue);
+                    }
+                    Err(DeployFailure::Refused { version, reason }) => {
+                        tracing::error!(queue = %queue, file = %path.display(), "watched handler refused, version {version}: {reason}");
+                        seen.insert(queue.clone(), stamp);
+                        refused.insert(queue, version);
+                    }
+                    Err(e) => tracing::warn!(queue = %queue, file = %path.display(), "deploying the watched handler failed: {e}"),
+                }
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+}

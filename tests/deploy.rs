@@ -1,0 +1,369 @@
+//! Hot swap and the admin API: versions deployed back and forth under load
+//! without losing or double-processing a message, broken components refused
+//! while the old version keeps serving, rollback, the watched folder, the
+//! bearer token, Prometheus metrics that parse and move, and a restart that
+//! keeps the deployed version and reuses the compiled-component cache.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::*;
+use onceq::config::Config;
+use onceq::deploy::{version_of, DeployFailure, Deployer};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+const TALLY_SQL: &str = "CREATE TABLE tally (id TEXT PRIMARY KEY, n INTEGER NOT NULL, build TEXT NOT NULL);";
+
+fn tally_rows(db: &rusqlite::Connection) -> Vec<(String, i64, String)> {
+    let mut st = db.prepare("SELECT id, n, build FROM tally").unwrap();
+    st.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_swapped_under_load_process_every_message_once_by_one_version() {
+    let db = TestDb::new(TALLY_SQL);
+    let n = 2000;
+    db.send("tally", (0..n).map(|i| format!("{{\"i\": {i}}}"))).await;
+    let state = db.dir.path().join("state");
+    let cfg = Config::parse(
+        &format!(
+            r#"store = "{}"
+state_dir = "{}"
+[[queue]]
+name = "tally"
+handler = "{}"
+tables = ["tally"]
+workers = 4
+batch = 4
+"#,
+            db.path.display(),
+            state.display(),
+            guest("tally_v1").display()
+        ),
+        Path::new("/"),
+    )
+    .unwrap();
+    let runtime = Arc::new(onceq::runtime::Runtime::new(cfg.runtime.clone()).unwrap());
+    let (deployer, runners) = Deployer::open(&cfg, &db.store, runtime).unwrap();
+    let v1 = std::fs::read(guest("tally_v1")).unwrap();
+    let v2 = std::fs::read(guest("tally_v2")).unwrap();
+    let (h1, h2) = (version_of(&v1), version_of(&v2));
+    assert_eq!(deployer.active()["tally"], h1, "starts on the config's handler");
+
+    let store = db.store.clone();
+    let r = runners.clone();
+    let drained = tokio::spawn(async move { drain_within(&store, &r, Duration::from_secs(120)).await });
+    let mut swaps = 0;
+    let mut refused = 0;
+    while !drained.is_finished() {
+        let (bytes, label) = if swaps % 2 == 0 { (v2.clone(), "v2") } else { (v1.clone(), "v1") };
+        let d = deployer.deploy("tally", bytes, Some(label.into()), "api").await.unwrap();
+        assert_eq!(deployer.active()["tally"], d.version, "the switch is immediate");
+        swaps += 1;
+        if swaps % 5 == 0 {
+            // A broken component mid-run: refused, the running version stays.
+            let before = deployer.active()["tally"].clone();
+            let bad = std::fs::read(guest("forbidden")).unwrap();
+            match deployer.deploy("tally", bad, None, "api").await {
+                Err(DeployFailure::Refused { reason, .. }) => assert!(reason.contains("wasi:filesystem"), "{reason}"),
+                other => panic!("a forbidden component must be refused, got {other:?}"),
+            }
+            match deployer.deploy("tally", b"\0asm garbage".to_vec(), None, "api").await {
+                Err(DeployFailure::Refused { .. }) => {}
+                other => panic!("garbage must be refused, got {other:?}"),
+            }
+            assert_eq!(deployer.active()["tally"], before);
+            refused += 2;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    drained.await.unwrap();
+    assert!(swaps >= 6, "swapped {swaps} times while draining");
+
+    let rows = tally_rows(&db.sql());
+    assert_eq!(rows.len(), n, "none lost");
+    assert!(rows.iter().all(|(_, c, _)| *c == 1), "none processed twice");
+    let mut by_build: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, _, b) in &rows {
+        *by_build.entry(b.clone()).or_default() += 1;
+    }
+    assert!(
+        by_build.len() == 2 && by_build.values().all(|&c| c > 0),
+        "both versions processed messages: {by_build:?}"
+    );
+    // The protocol's per-version counts agree with what the handlers wrote.
+    let versions = runners[0].metrics.versions();
+    assert_eq!(versions.get(&h1).map_or(0, |c| c.processed) as usize, by_build["tally-v1"]);
+    assert_eq!(versions.get(&h2).map_or(0, |c| c.processed) as usize, by_build["tally-v2"]);
+    eprintln!("{swaps} swaps, {refused} refused deploys, by version: {by_build:?}");
+
+    // History, newest first; rollback returns to the previous version.
+    let list = deployer.versions("tally").await.unwrap();
+    assert!(list[0].active && list.iter().filter(|v| v.active).count() == 1);
+    assert_eq!(list.len(), swaps + 1, "the config's version, then one entry per deploy");
+    assert_eq!(list.last().unwrap().deployment.source, "config");
+    let active = list[0].deployment.version.clone();
+    let back = deployer.rollback("tally").await.unwrap();
+    assert_ne!(back.version, active);
+    assert_eq!(back.source, "rollback");
+    assert_eq!(deployer.active()["tally"], back.version);
+    assert!(matches!(
+        deployer.deploy("nope", v1.clone(), None, "api").await,
+        Err(DeployFailure::UnknownQueue(_))
+    ));
+}
+
+fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            assert!(
+                line.is_empty()
+                    || line.starts_with("# HELP ")
+                    || line.starts_with("# TYPE ")
+                    || line.starts_with("# UNIT ")
+                    || line == "# EOF",
+                "bad comment line: {line}"
+            );
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let name_end = series.find('{').unwrap_or(series.len());
+        let name = &series[..name_end];
+        assert!(
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line}"
+        );
+        if name_end < series.len() {
+            assert!(series.ends_with('}'), "unclosed labels: {line}");
+            for pair in series[name_end + 1..series.len() - 1].split("\",").filter(|p| !p.is_empty()) {
+                let (k, v) = pair.split_once("=\"").unwrap_or_else(|| panic!("bad label {pair} in {line}"));
+                assert!(k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'), "bad label name {k}");
+                assert!(!v.contains('\n'));
+            }
+        }
+        let v: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().unwrap_or_else(|_| panic!("bad value in {line}")),
+        };
+        out.insert(series.to_string(), v);
+    }
+    assert!(text.trim_end().ends_with("# EOF"), "OpenMetrics text ends with # EOF");
+    out
+}
+
+struct Host {
+    dir: tempfile::TempDir,
+    child: Option<tokio::process::Child>,
+    http: reqwest::Client,
+}
+
+impl Host {
+    fn cmd(&self, args: &[&str]) -> tokio::process::Command {
+        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
+        c.current_dir(self.dir.path()).args(args).env("RUST_LOG", "warn").kill_on_drop(true);
+        c
+    }
+
+    async fn onceq(&self, args: &[&str]) -> (bool, String) {
+        let out = self.cmd(args).output().await.unwrap();
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    }
+
+    async fn ok(&self, args: &[&str]) -> String {
+        let (ok, text) = self.onceq(args).await;
+        assert!(ok, "onceq {args:?} failed: {text}");
+        text
+    }
+
+    async fn start(&mut self) {
+        let addr_file = self.dir.path().join(".onceq/admin.addr");
+        let _ = std::fs::remove_file(&addr_file);
+        let log = std::fs::File::create(self.dir.path().join("host.log")).unwrap();
+        self.child = Some(self.cmd(&["run"]).stderr(log).spawn().unwrap());
+        for _ in 0..6000 {
+            if addr_file.exists() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "onceq run exited ({status}): {}",
+                    std::fs::read_to_string(self.dir.path().join("host.log")).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the admin API did not come up in 60 s");
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let pid = c.id().unwrap().to_string();
+            std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+            let status = tokio::time::timeout(Duration::from_secs(30), c.wait()).await.unwrap().unwrap();
+            assert!(status.success(), "exit 0 after SIGTERM: {status}");
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        let addr = std::fs::read_to_string(self.dir.path().join(".onceq/admin.addr")).unwrap();
+        format!("http://{}{path}", addr.trim())
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let r = self.http.get(self.url(path)).send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    async fn metrics(&self) -> BTreeMap<String, f64> {
+        let (status, text) = self.get("/metrics").await;
+        assert_eq!(status, 200);
+        parse_prometheus(&text)
+    }
+
+    async fn active(&self) -> serde_json::Value {
+        let (_, text) = self.get("/v1/queues/tally/versions").await;
+        let list: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+        list.into_iter().find(|v| v["active"] == true).unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_deploys_with_a_token_serves_metrics_and_a_watched_folder_swaps() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("schema.sql"), TALLY_SQL).unwrap();
+    std::fs::create_dir(dir.path().join("handlers")).unwrap();
+    std::fs::write(
+        dir.path().join("onceq.toml"),
+        format!(
+            r#"store = "onceq.db"
+schema = "schema.sql"
+
+[admin]
+listen = "127.0.0.1:0"
+token = "s3cret"
+
+[deploy]
+watch = "handlers"
+poll = "100ms"
+
+[[queue]]
+name = "tally"
+handler = "{}"
+tables = ["tally"]
+"#,
+            guest("tally_v1").display()
+        ),
+    )
+    .unwrap();
+    let mut host = Host {
+        dir,
+        child: None,
+        http: reqwest::Client::new(),
+    };
+    host.ok(&["init"]).await;
+    host.start().await;
+    let (v1, v2) = (guest("tally_v1"), guest("tally_v2"));
+    let (h1, h2) = (version_of(&std::fs::read(&v1).unwrap()), version_of(&std::fs::read(&v2).unwrap()));
+
+    assert_eq!(host.get("/healthz").await, (200, "ok\n".to_string()));
+    assert_eq!(host.get("/readyz").await.0, 200);
+    let before = host.metrics().await;
+    assert_eq!(before[&format!("onceq_handler_version{{queue=\"tally\",version=\"{h1}\"}}")], 1.0);
+
+    // Mutations need the token.
+    let deploy = host.url("/v1/queues/tally/deploy");
+    let body = std::fs::read(&v2).unwrap();
+    let r = host.http.post(&deploy).body(body.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().await.unwrap().contains("missing Authorization"));
+    let r = host
+        .http
+        .post(&deploy)
+        .bearer_auth("wrong")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = host.http.post(host.url("/v1/queues/tally/rollback")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(host.active().await["version"], h1.as_str(), "nothing changed");
+
+    // The CLI reads the token from the config and finds the host.
+    let out = host.ok(&["deploy", "tally", v2.to_str().unwrap(), "--label", "v2"]).await;
+    assert!(out.contains(&format!("deployed {h2} to tally (v2)")), "{out}");
+    let (ok, out) = host.onceq(&["deploy", "tally", guest("forbidden").to_str().unwrap()]).await;
+    assert!(!ok && out.contains("component refused") && out.contains("wasi:filesystem"), "{out}");
+    let (ok, out) = host.onceq(&["deploy", "nope", v2.to_str().unwrap()]).await;
+    assert!(!ok && out.contains("no queue named nope"), "{out}");
+    let out = host.ok(&["versions", "tally"]).await;
+    assert!(
+        out.lines().any(|l| l.starts_with('*') && l.contains(&h2) && l.contains("v2")),
+        "{out}"
+    );
+
+    // Messages go through v2; the metrics move.
+    let lines: Vec<String> = (0..50).map(|i| format!("{{\"i\": {i}}}")).collect();
+    std::fs::write(host.dir.path().join("m.jsonl"), lines.join("\n")).unwrap();
+    host.ok(&["send", "tally", "--jsonl", "m.jsonl"]).await;
+    let processed = format!("onceq_messages_processed_total{{queue=\"tally\",version=\"{h2}\"}}");
+    wait_until("50 messages processed by v2", Duration::from_secs(30), || {
+        let h = &host;
+        let key = processed.clone();
+        async move { h.metrics().await.get(&key).copied().unwrap_or(0.0) >= 50.0 }
+    })
+    .await;
+    let m = host.metrics().await;
+    assert!(m[r#"onceq_message_duration_seconds_count{queue="tally"}"#] >= 50.0);
+    assert_eq!(m[r#"onceq_in_flight{queue="tally"}"#], 0.0);
+    let (_, stats) = host.get("/v1/stats").await;
+    let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["active_versions"]["tally"], h2.as_str());
+
+    // Rollback through the CLI.
+    let out = host.ok(&["rollback", "tally"]).await;
+    assert!(out.contains(&format!("rolled tally back to {h1}")), "{out}");
+    assert_eq!(host.active().await["source"], "rollback");
+
+    // The watched folder: a new file is deployed, a broken one is refused.
+    std::fs::copy(&v2, host.dir.path().join("handlers/tally.wasm")).unwrap();
+    wait_until("the watched file to be deployed", Duration::from_secs(30), || {
+        let h = &host;
+        let h2 = h2.clone();
+        async move {
+            let a = h.active().await;
+            a["version"] == h2.as_str() && a["source"] == "watch"
+        }
+    })
+    .await;
+    std::fs::write(host.dir.path().join("handlers/tally.wasm"), b"not wasm at all").unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(host.active().await["version"], h2.as_str(), "a broken watched file is refused");
+
+    // A restart keeps the deployed version, from the compiled cache.
+    host.stop().await;
+    let cached = std::fs::read_dir(host.dir.path().join(".onceq/cache")).unwrap().count();
+    assert!(cached > 0, "compiled components are cached on disk");
+    std::fs::remove_file(host.dir.path().join("handlers/tally.wasm")).unwrap();
+    host.start().await;
+    assert_eq!(
+        host.active().await["version"],
+        h2.as_str(),
+        "the deployed version survives a restart"
+    );
+    let rows = tally_rows(&rusqlite::Connection::open(host.dir.path().join("onceq.db")).unwrap());
+    assert_eq!(rows.len(), 50);
+    assert!(rows.iter().all(|(_, n, b)| *n == 1 && b == "tally-v2"));
+    host.stop().await;
+}
