@@ -326,6 +326,8 @@ tables = ["tally"]
     .await;
     let m = host.metrics().await;
     assert!(m[r#"onceq_message_duration_seconds_count{queue="tally"}"#] >= 50.0);
+    assert!(m[r#"onceq_handler_duration_seconds_count{queue="tally"}"#] >= 50.0);
+    assert!(m[r#"onceq_handler_duration_seconds_bucket{le="+Inf",queue="tally"}"#] >= 50.0);
     assert_eq!(m[r#"onceq_in_flight{queue="tally"}"#], 0.0);
     let (_, stats) = host.get("/v1/stats").await;
     let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();

@@ -348,6 +348,20 @@ impl prometheus_client::collector::Collector for Collector {
                     .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
             }
         }
+        {
+            let mut m = e.encode_descriptor(
+                "onceq_handler_duration_seconds",
+                "Time in the handler call per attempt (instantiation, reads, the call)",
+                None,
+                MetricType::Histogram,
+            )?;
+            for r in runners {
+                let (sum, count, buckets) = r.metrics.handler_buckets(&LATENCY_BUCKETS);
+                let labels = q(r);
+                m.encode_family(&labels)?
+                    .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+            }
+        }
         Ok(())
     }
 }

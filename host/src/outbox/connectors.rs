@@ -253,6 +253,7 @@ pub fn file_line(intent: &Intent) -> serde_json::Value {
         "metadata": intent.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect::<serde_json::Map<String, serde_json::Value>>(),
         "source_queue": intent.source_queue,
         "source_message_id": intent.source_message_id,
+        "source_version": intent.source_version,
         "attempt": intent.attempt,
     });
     let payload = match serde_json::from_slice::<serde_json::Value>(&intent.payload) {
@@ -357,6 +358,7 @@ mod tests {
             metadata: vec![("m".into(), "v".into())],
             source_queue: "q".into(),
             source_message_id: "id".into(),
+            source_version: None,
             id: "x".into(),
             attempt: 1,
         };

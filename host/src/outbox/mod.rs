@@ -48,6 +48,8 @@ pub const KEY_ATTRIBUTE: &str = "onceq.idempotency-key";
 pub const SOURCE_QUEUE_ATTRIBUTE: &str = "onceq.source-queue";
 /// Attribute naming the message that emitted the intent.
 pub const SOURCE_MESSAGE_ATTRIBUTE: &str = "onceq.source-message";
+/// Attribute naming the handler version that emitted the intent.
+pub const VERSION_ATTRIBUTE: &str = "onceq.handler-version";
 /// How long an undelivered intent's key is held: until it is delivered
 /// (then the retention window applies), for all practical purposes.
 pub const HOLD_UNTIL_DELIVERED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -90,6 +92,8 @@ pub struct Intent {
     pub metadata: Vec<(String, String)>,
     pub source_queue: String,
     pub source_message_id: String,
+    /// The handler version that emitted it.
+    pub source_version: Option<String>,
     /// The outbox message's id.
     pub id: String,
     /// Delivery attempt, 1 on the first.
@@ -119,6 +123,7 @@ impl Intent {
                 .collect(),
             source_queue: get(SOURCE_QUEUE_ATTRIBUTE).unwrap_or_default(),
             source_message_id: get(SOURCE_MESSAGE_ATTRIBUTE).unwrap_or_default(),
+            source_version: get(VERSION_ATTRIBUTE),
             id: id.to_string(),
             attempt,
         })

@@ -58,6 +58,7 @@ enum Checked {
 /// buffered and the reason names the effect (by index) and the problem.
 pub fn check_and_buffer(
     msg: &Message,
+    version: &str,
     effects: Vec<Effect>,
     grants: &Grants,
     limits: &EffectLimits,
@@ -126,7 +127,9 @@ pub fn check_and_buffer(
                         it.connector
                     ));
                 }
-                Checked::Intent(crate::outbox::intent_message(msg, it))
+                let mut m = crate::outbox::intent_message(msg, it);
+                m.attributes.insert(3, (crate::outbox::VERSION_ATTRIBUTE.to_string(), version.to_string()));
+                Checked::Intent(m)
             }
         };
         checked.push(c);

@@ -130,6 +130,46 @@ pub struct Metrics {
     pub enqueued: AtomicU64,
     /// Lease-to-outcome latency, microseconds.
     pub latency_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+    /// Time inside the handler call (instantiation, reads, the call),
+    /// microseconds, per attempt.
+    pub handler_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+}
+
+type Hist = Mutex<Option<hdrhistogram::Histogram<u64>>>;
+
+fn hist_record(h: &Hist, d: Duration) {
+    if let Ok(mut h) = h.lock() {
+        if h.is_none() {
+            *h = hdrhistogram::Histogram::new(3).ok();
+        }
+        if let Some(h) = h.as_mut() {
+            let _ = h.record(d.as_micros().max(1) as u64);
+        }
+    }
+}
+
+/// (sum in seconds, count, per-bucket counts for `bounds` in seconds, then
+/// the rest under `f64::MAX`), as Prometheus histograms want them.
+fn hist_buckets(h: &Hist, bounds: &[f64]) -> (f64, u64, Vec<(f64, u64)>) {
+    let guard = h.lock();
+    let Some(h) = guard.as_ref().ok().and_then(|g| g.as_ref()) else {
+        return (
+            0.0,
+            0,
+            bounds.iter().map(|b| (*b, 0)).chain(std::iter::once((f64::MAX, 0))).collect(),
+        );
+    };
+    let count = h.len();
+    let sum = h.mean() * count as f64 / 1e6;
+    let mut out = Vec::with_capacity(bounds.len() + 1);
+    let mut below = 0;
+    for b in bounds {
+        let upto = h.count_between(0, (b * 1e6) as u64);
+        out.push((*b, upto.saturating_sub(below)));
+        below = upto.max(below);
+    }
+    out.push((f64::MAX, count.saturating_sub(below)));
+    (sum, count, out)
 }
 
 /// Final outcomes of the messages one handler version processed.
@@ -157,41 +197,17 @@ impl Metrics {
     }
 
     fn record_latency(&self, d: Duration) {
-        if let Ok(mut h) = self.latency_us.lock() {
-            if h.is_none() {
-                *h = hdrhistogram::Histogram::new(3).ok();
-            }
-            if let Some(h) = h.as_mut() {
-                let _ = h.record(d.as_micros().max(1) as u64);
-            }
-        }
+        hist_record(&self.latency_us, d)
     }
 
-    /// Latency as a histogram: (sum in seconds, count, per-bucket counts for
-    /// `bounds` in seconds, then the rest under `f64::MAX`).
+    /// Lease-to-outcome latency as histogram buckets (see [`hist_buckets`]).
     pub fn latency_buckets(&self, bounds: &[f64]) -> (f64, u64, Vec<(f64, u64)>) {
-        let guard = self.latency_us.lock();
-        let h = match guard.as_ref().ok().and_then(|g| g.as_ref()) {
-            Some(h) => h,
-            None => {
-                return (
-                    0.0,
-                    0,
-                    bounds.iter().map(|b| (*b, 0)).chain(std::iter::once((f64::MAX, 0))).collect(),
-                )
-            }
-        };
-        let count = h.len();
-        let sum = h.mean() * count as f64 / 1e6;
-        let mut out = Vec::with_capacity(bounds.len() + 1);
-        let mut below = 0;
-        for b in bounds {
-            let upto = h.count_between(0, (b * 1e6) as u64);
-            out.push((*b, upto.saturating_sub(below)));
-            below = upto.max(below);
-        }
-        out.push((f64::MAX, count.saturating_sub(below)));
-        (sum, count, out)
+        hist_buckets(&self.latency_us, bounds)
+    }
+
+    /// Handler-call time as histogram buckets.
+    pub fn handler_buckets(&self, bounds: &[f64]) -> (f64, u64, Vec<(f64, u64)>) {
+        hist_buckets(&self.handler_us, bounds)
     }
 
     /// Latency quantile in microseconds (0 when nothing was recorded).
@@ -517,7 +533,9 @@ impl QueueRunner {
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone());
+        let called = Instant::now();
         let HandleOutput { scope, result } = handler.handle(&lm.message, scope).await;
+        hist_record(&self.metrics.handler_us, called.elapsed());
         let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
         let mut tx = scope.into_transaction();
@@ -536,7 +554,15 @@ impl QueueRunner {
             }
             (None, Ok(e)) => e,
         };
-        let counts = match effects::check_and_buffer(&lm.message, effects, &self.spec.grants, &self.spec.limits, &schema, &mut *tx) {
+        let counts = match effects::check_and_buffer(
+            &lm.message,
+            handler.version(),
+            effects,
+            &self.spec.grants,
+            &self.spec.limits,
+            &schema,
+            &mut *tx,
+        ) {
             Ok(c) => c,
             Err(reason) => {
                 tx.rollback().await;
