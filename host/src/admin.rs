@@ -218,6 +218,25 @@ fn gauges(e: &mut DescriptorEncoder, name: &str, help: &str, rows: &[(Labels, i6
     Ok(())
 }
 
+type Buckets = (f64, u64, Vec<(f64, u64)>);
+
+fn histograms(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    runners: &[Arc<QueueRunner>],
+    f: impl Fn(&crate::protocol::Metrics) -> Buckets,
+) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Histogram)?;
+    for r in runners {
+        let (sum, count, buckets) = f(&r.metrics);
+        let labels: Labels = vec![("queue", r.spec.name.clone())];
+        m.encode_family(&labels)?
+            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+    }
+    Ok(())
+}
+
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let runners = &self.0.runners;
@@ -334,34 +353,20 @@ impl prometheus_client::collector::Collector for Collector {
                 ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
             }
         }
-        {
-            let mut m = e.encode_descriptor(
-                "onceq_message_duration_seconds",
-                "Lease-to-outcome time of acked messages (handler, reads and commit)",
-                None,
-                MetricType::Histogram,
-            )?;
-            for r in runners {
-                let (sum, count, buckets) = r.metrics.latency_buckets(&LATENCY_BUCKETS);
-                let labels = q(r);
-                m.encode_family(&labels)?
-                    .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
-            }
-        }
-        {
-            let mut m = e.encode_descriptor(
-                "onceq_handler_duration_seconds",
-                "Time in the handler call per attempt (instantiation, reads, the call)",
-                None,
-                MetricType::Histogram,
-            )?;
-            for r in runners {
-                let (sum, count, buckets) = r.metrics.handler_buckets(&LATENCY_BUCKETS);
-                let labels = q(r);
-                m.encode_family(&labels)?
-                    .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
-            }
-        }
+        histograms(
+            &mut e,
+            "onceq_message_duration_seconds",
+            "Lease-to-outcome time of acked messages (handler, reads and commit)",
+            runners,
+            |m| m.latency_buckets(&LATENCY_BUCKETS),
+        )?;
+        histograms(
+            &mut e,
+            "onceq_handler_duration_seconds",
+            "Time in the handler call per attempt (instantiation, reads, the call)",
+            runners,
+            |m| m.handler_buckets(&LATENCY_BUCKETS),
+        )?;
         Ok(())
     }
 }

@@ -305,7 +305,15 @@ pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: V
     let out = match (violation, result) {
         (Some(v), _) => report("failed", Some(v), vec![]),
         (None, Ok(effects)) => {
-            match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), &grants, &effect_limits, &store.schema(), &mut *tx) {
+            match protocol::effects::check_and_buffer(
+                &message,
+                handler.version(),
+                effects.clone(),
+                &grants,
+                &effect_limits,
+                &store.schema(),
+                &mut *tx,
+            ) {
                 Ok(_) => report("ok", None, effects),
                 Err(e) => report("invalid-effects", Some(e), effects),
             }

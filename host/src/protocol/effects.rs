@@ -128,7 +128,8 @@ pub fn check_and_buffer(
                     ));
                 }
                 let mut m = crate::outbox::intent_message(msg, it);
-                m.attributes.insert(3, (crate::outbox::VERSION_ATTRIBUTE.to_string(), version.to_string()));
+                m.attributes
+                    .insert(3, (crate::outbox::VERSION_ATTRIBUTE.to_string(), version.to_string()));
                 Checked::Intent(m)
             }
         };
