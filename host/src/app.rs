@@ -3,10 +3,10 @@
 
 use crate::config::{Config, QueueConfig};
 use crate::outbox;
-use crate::protocol::{self, HandleOutput, Handler, QueueRunner, QueueSpec, ReadScope};
+use crate::protocol::{self, Handler, QueueRunner, QueueSpec};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
 use crate::store::{self, SendOutcome, SendParams, Store};
-use crate::value::{random_id, Effect, Message};
+use crate::value::{random_id, Message};
 use anyhow::{bail, Context};
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -240,22 +240,16 @@ pub fn check(path: &Path) -> anyhow::Result<(ComponentInfo, Result<(), String>)>
     Ok((info, verdict))
 }
 
-/// What `onceq try` prints.
-#[derive(Debug, serde::Serialize)]
-pub struct TryReport {
-    pub message: Message,
-    pub version: String,
-    /// "ok", "retry", "reject", "failed" or "invalid-effects".
-    pub outcome: String,
-    pub reason: Option<String>,
-    pub effects: Vec<Effect>,
-    pub reads: u64,
-}
-
 /// `onceq try`: run one message through a component against the database,
 /// check the effects as the protocol would, and roll back. Nothing is
 /// committed.
-pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: Vec<u8>, id: Option<String>) -> anyhow::Result<TryReport> {
+pub async fn try_message(
+    cfg: &Config,
+    component: &Path,
+    queue: &str,
+    payload: Vec<u8>,
+    id: Option<String>,
+) -> anyhow::Result<crate::tryout::TryReport> {
     let store = open_store(cfg).await?;
     let (grants, limits, effect_limits) = match cfg.queue(queue) {
         Ok(q) => (q.grants.clone(), q.limits, q.effect_limits),
@@ -289,41 +283,7 @@ pub async fn try_message(cfg: &Config, component: &Path, queue: &str, payload: V
             .unwrap_or(0),
     };
     let tx = store.transaction_begin().await?;
-    let scope = ReadScope::new(tx, store.schema(), Arc::new(grants.tables.clone()));
-    let HandleOutput { scope, result } = handler.handle(&message, scope).await;
-    let reads = scope.reads;
-    let violation = scope.violation.clone();
-    let mut tx = scope.into_transaction();
-    let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>| TryReport {
-        message: message.clone(),
-        version: handler.version().to_string(),
-        outcome: outcome.to_string(),
-        reason,
-        effects,
-        reads,
-    };
-    let out = match (violation, result) {
-        (Some(v), _) => report("failed", Some(v), vec![]),
-        (None, Ok(effects)) => {
-            match protocol::effects::check_and_buffer(
-                &message,
-                handler.version(),
-                effects.clone(),
-                &grants,
-                &effect_limits,
-                &store.schema(),
-                &mut *tx,
-            ) {
-                Ok(_) => report("ok", None, effects),
-                Err(e) => report("invalid-effects", Some(e), effects),
-            }
-        }
-        (None, Err(protocol::HandlerFailure::Retry { reason, .. })) => report("retry", Some(reason), vec![]),
-        (None, Err(protocol::HandlerFailure::Reject(r))) => report("reject", Some(r), vec![]),
-        (None, Err(protocol::HandlerFailure::Failed(r))) => report("failed", Some(r), vec![]),
-    };
-    tx.rollback().await;
-    Ok(out)
+    Ok(crate::tryout::run(&handler, message, tx, store.schema(), &grants, &effect_limits).await)
 }
 
 /// An intent as `onceq outbox list|show` prints it.

@@ -34,4 +34,5 @@ pub mod protocol;
 pub mod runtime;
 pub mod schema;
 pub mod store;
+pub mod tryout;
 pub mod value;

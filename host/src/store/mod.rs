@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub mod faulty;
+pub mod memory;
 pub mod spanner;
 pub mod sqlite;
 

@@ -358,6 +358,14 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
 }
 
 /// Read the business tables (every table not named `onceq_*`).
+/// The business tables described by SQLite DDL, read the way a store
+/// reads them (for fixtures: the handler test kit).
+pub fn schema_from_ddl(ddl: &str) -> anyhow::Result<Schema> {
+    let conn = Connection::open_in_memory()?;
+    conn.execute_batch(ddl).map_err(|e| anyhow::anyhow!("schema: {e}"))?;
+    load_schema(&conn)
+}
+
 fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
     let mut stmt = conn.prepare(
         "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'onceq\\_%' ESCAPE '\\' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name",
