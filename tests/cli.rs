@@ -316,3 +316,76 @@ fn bad_config_is_a_clear_error() {
         "{e}"
     );
 }
+
+#[test]
+fn onceq_new_scaffolds_a_rust_handler_that_builds_checks_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let onceq = |cwd: &Path, args: &[&str]| -> (bool, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_onceq"))
+            .current_dir(cwd)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let (ok, out) = onceq(dir.path(), &["new", "hello-counter"]);
+    assert!(ok && out.contains("created") && out.contains("cargo build --release"), "{out}");
+    let (ok, out) = onceq(dir.path(), &["new", "hello-counter"]);
+    assert!(!ok && out.contains("already exists"), "{out}");
+    let (ok, out) = onceq(dir.path(), &["new", "other", "--lang", "python"]);
+    assert!(!ok && out.contains("not supported yet"), "{out}");
+    let (ok, out) = onceq(dir.path(), &["new", "Bad Name"]);
+    assert!(!ok && out.contains("lowercase letters"), "{out}");
+
+    // Build it as an author would (sharing the examples' dependencies and
+    // build folder to save time).
+    let project = dir.path().join("hello-counter");
+    let guests = repo_root().join("guest-examples");
+    std::fs::copy(guests.join("Cargo.lock"), project.join("Cargo.lock")).unwrap();
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(&project)
+        .args(["build", "--release"])
+        .env("CARGO_TARGET_DIR", guests.join("target"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cargo build failed: {}", String::from_utf8_lossy(&out.stderr));
+    let built = guests.join("target/wasm32-wasip2/release/hello_counter.wasm");
+    let local = project.join("target/wasm32-wasip2/release/hello_counter.wasm");
+    std::fs::create_dir_all(local.parent().unwrap()).unwrap();
+    std::fs::copy(&built, &local).unwrap();
+
+    let (ok, out) = onceq(&project, &["check", "target/wasm32-wasip2/release/hello_counter.wasm"]);
+    assert!(ok && out.contains("ok: fits the onceq:handler world"), "{out}");
+    let cfg = project.join("onceq.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{text}\n[admin]\nlisten = \"127.0.0.1:0\"\n")).unwrap();
+    let (ok, out) = onceq(&project, &["init"]);
+    assert!(ok, "{out}");
+    let (ok, out) = onceq(
+        &project,
+        &[
+            "try",
+            "target/wasm32-wasip2/release/hello_counter.wasm",
+            "--message",
+            "message.json",
+            "--queue",
+            "hello-counter",
+        ],
+    );
+    assert!(ok && out.contains("\"outcome\": \"ok\"") && out.contains("counters"), "{out}");
+    for _ in 0..3 {
+        let (ok, out) = onceq(&project, &["send", "hello-counter", "--payload", r#"{"key": "signup", "by": 2}"#]);
+        assert!(ok, "{out}");
+    }
+    let (ok, out) = onceq(&project, &["run", "--until-empty"]);
+    assert!(ok && out.contains("hello-counter: processed 3"), "{out}");
+    let db = rusqlite::Connection::open(project.join("data/onceq.db")).unwrap();
+    let count: i64 = db
+        .query_row("SELECT count FROM counters WHERE key = 'signup'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(count, 6);
+}

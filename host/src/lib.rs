@@ -32,6 +32,7 @@ pub mod deploy;
 pub mod outbox;
 pub mod protocol;
 pub mod runtime;
+pub mod scaffold;
 pub mod schema;
 pub mod store;
 pub mod tryout;

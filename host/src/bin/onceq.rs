@@ -120,6 +120,19 @@ enum Command {
         #[arg(long)]
         id: Option<String>,
     },
+    /// Write a new handler project, ready to build, check and run.
+    New {
+        name: String,
+        /// Language of the handler.
+        #[arg(long, default_value = "rust")]
+        lang: String,
+        /// Where to create it.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The guest SDK's folder (default: the one next to this onceq).
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
     /// The `make run` demo: fresh database, example handlers, 10,000
     /// messages, a summary with invariant checks.
     Demo(onceq::demo::DemoArgs),
@@ -202,6 +215,18 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     if let Command::Demo(args) = cli.command {
         return onceq::demo::run(args).await;
+    }
+    if let Command::New { name, lang, dir, sdk } = &cli.command {
+        let path = onceq::scaffold::new_project(dir, name, lang, sdk.as_deref())?;
+        println!("created {} ({lang} handler); next:", path.display());
+        println!("  cd {}", path.display());
+        println!("  cargo build --release");
+        println!("  onceq check target/wasm32-wasip2/release/{}.wasm", name.replace('-', "_"));
+        println!(
+            "  onceq init && onceq try target/wasm32-wasip2/release/{}.wasm --message message.json --queue {name}",
+            name.replace('-', "_")
+        );
+        return Ok(ExitCode::SUCCESS);
     }
     if let Command::Check { component } = &cli.command {
         let (info, verdict) = app::check(component)?;
@@ -486,7 +511,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::from(2));
             }
         }
-        Command::Check { .. } | Command::Demo(_) => {}
+        Command::Check { .. } | Command::Demo(_) | Command::New { .. } => {}
     }
     Ok(ExitCode::SUCCESS)
 }
