@@ -6,8 +6,13 @@ GUEST_TARGET := wasm32-wasip2
 GUEST_DIR    := guest-examples
 GUEST_OUT    := $(GUEST_DIR)/target/$(GUEST_TARGET)/release
 ONCEQ        := target/release/onceq
+PYTHON       ?= python3
+PY_TOOLS     := tools/python
+COMPONENTIZE_PY_VERSION := 0.25.1
+COMPONENTIZE_PY := $(PY_TOOLS)/bin/componentize-py
+PY_OUT       := $(GUEST_DIR)/target/python
 
-.PHONY: all tools guests build run run-spanner test bench lint fmt clean emulator
+.PHONY: all tools guests guests-python build run run-spanner test bench lint fmt clean emulator
 
 all: build guests
 
@@ -15,9 +20,24 @@ all: build guests
 tools:
 	@rustup target list --installed | grep -qx $(GUEST_TARGET) || rustup target add $(GUEST_TARGET)
 
-## guests: build the guest SDK, the examples and the test fixtures (own workspace)
+## guests: build the guest SDK, the examples and the test fixtures (own
+## workspace), and the Python examples when python3 is present
 guests: tools
 	cd $(GUEST_DIR) && $(CARGO) build --release --target $(GUEST_TARGET)
+	@if command -v $(PYTHON) >/dev/null 2>&1; then $(MAKE) --no-print-directory guests-python; \
+	 else echo "python3 not found: skipping the Python guests"; fi
+
+## guests-python: componentize-py (pinned, in tools/python) builds the Python examples
+guests-python: $(PY_OUT)/payments.wasm
+
+$(COMPONENTIZE_PY):
+	$(PYTHON) -m venv $(PY_TOOLS)
+	$(PY_TOOLS)/bin/pip install --quiet componentize-py==$(COMPONENTIZE_PY_VERSION)
+
+$(PY_OUT)/%.wasm: $(GUEST_DIR)/python/%/app.py $(GUEST_DIR)/python/onceq_guest.py wit/handler.wit | $(COMPONENTIZE_PY)
+	@mkdir -p $(PY_OUT)
+	$(COMPONENTIZE_PY) -d wit -w queue-handler componentize app \
+		-p $(GUEST_DIR)/python/$* -p $(GUEST_DIR)/python --stub-wasi -o $@
 
 ## build: the host (release; tests and benchmarks share these artifacts)
 build:

@@ -208,3 +208,65 @@ async fn report_runs_as_checkpointed_steps_with_ack_and_reschedule() {
     assert_eq!(lines[0]["payload"]["total"], total);
     assert_eq!(lines[0]["metadata"]["x-report-days"], "4");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_and_python_payments_leave_the_same_database_state() {
+    let py = repo_root().join("guest-examples/target/python/payments.wasm");
+    assert!(py.exists(), "{} is missing: run `make guests` (needs python3)", py.display());
+    let rt = runtime();
+    let mut states = Vec::new();
+    for handler in [
+        Arc::new(wasm(&rt, "payments", HandlerLimits::default())),
+        Arc::new(rt.load_file(&py, HandlerLimits::default()).unwrap()),
+    ] {
+        let db = TestDb::new(PAYMENTS_SQL);
+        seed_accounts(db.store.as_ref(), 5, 300).await;
+        let mut msgs: Vec<String> = (0..40).map(|i| order(i, i % 6, 10 + (i as i64 * 7) % 90)).collect();
+        msgs.push(r#"{"order_id": "o-bad", "account": "acct-1", "amount": 0}"#.to_string());
+        db.send("payments", msgs).await;
+        let r = runner(
+            &db.store,
+            "payments",
+            handler,
+            grants(&["accounts", "orders"], &[], &["charge"]),
+            policy(2, 3),
+        );
+        drain(&db.store, std::slice::from_ref(&r)).await;
+        let dump = |sql: &str| -> Vec<String> {
+            let c = db.sql();
+            let mut st = c.prepare(sql).unwrap();
+            let n = st.column_count();
+            st.query_map([], |row| {
+                Ok((0..n)
+                    .map(|i| format!("{:?}", row.get_ref(i).unwrap()))
+                    .collect::<Vec<_>>()
+                    .join("|"))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+        };
+        let intents = onceq::app::outbox_list(db.store.as_ref(), Some("charge"), false, 1000)
+            .await
+            .unwrap();
+        let mut intents: Vec<(String, String)> = intents.into_iter().map(|i| (i.intent.idempotency_key, i.payload)).collect();
+        intents.sort();
+        states.push((
+            dump("SELECT id, account_id, amount, status FROM orders ORDER BY id"),
+            dump("SELECT id, balance FROM accounts ORDER BY id"),
+            intents,
+            db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap().len(),
+        ));
+    }
+    // acct-5 does not exist: those orders are rejected, like the bad amount.
+    assert!(
+        states[0].0.len() >= 30 && states[0].3 >= 2,
+        "orders and rejections: {} orders, {} dead",
+        states[0].0.len(),
+        states[0].3
+    );
+    assert_eq!(
+        states[0], states[1],
+        "Rust and Python payments: same orders, balances, intents and dead letters"
+    );
+}

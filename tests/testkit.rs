@@ -153,3 +153,38 @@ fn report_checkpoints_a_step_and_reschedules_itself() {
     assert_eq!((state["step"].as_u64(), state["total"].as_i64()), (Some(1), Some(30)));
     assert_eq!(step.intents().count(), 0, "not done yet");
 }
+
+fn python_guest(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../guest-examples/target/python")
+        .join(format!("{name}.wasm"));
+    assert!(p.exists(), "{} is missing: run `make guests` (needs python3)", p.display());
+    p
+}
+
+#[test]
+fn the_python_payments_port_behaves_like_the_rust_one() {
+    let kit = TestKit::new().unwrap().connectors(&["charge"]);
+    let rust = kit.load(guest("payments")).unwrap();
+    let python = kit.load(python_guest("payments")).unwrap();
+    let db = payments_db();
+    let cases = [
+        r#"{"order_id": "o-1", "account": "acct-1", "amount": 60}"#,
+        r#"{"order_id": "o-2", "account": "acct-1", "amount": 500}"#,
+        r#"{"order_id": "o-3", "account": "acct-9", "amount": 5}"#,
+        r#"{"order_id": "o-4", "account": "acct-1", "amount": -5}"#,
+        r#"{"order_id": "o-5", "account": "acct-1"}"#,
+        "{",
+    ];
+    for payload in cases {
+        let msg = kit.message("payments", payload);
+        let (r, p) = (kit.run(&rust, &db, &msg), kit.run(&python, &db, &msg));
+        assert_eq!(p.outcome, r.outcome, "{payload}: {p:?}");
+        assert_eq!(
+            serde_json::to_value(&p.effects).unwrap(),
+            serde_json::to_value(&r.effects).unwrap(),
+            "{payload}: same effects, byte for byte"
+        );
+        assert_eq!(p.reads, r.reads, "{payload}");
+    }
+}

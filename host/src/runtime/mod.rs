@@ -130,13 +130,15 @@ impl Runtime {
         let mut pool = PoolingAllocationConfig::default();
         let n = config.max_instances.max(1);
         pool.total_component_instances(n)
-            .total_core_instances(n * 8)
+            .total_core_instances(n * 48)
             .total_memories(n * 2)
-            .total_tables(n * 8)
+            .total_tables(n * 48)
             .total_stacks(n)
-            .max_core_instances_per_component(16)
+            // Rust guests use a handful of core instances; componentize-py
+            // components use 38 (measured), componentize-js ones more than 10.
+            .max_core_instances_per_component(64)
             .max_memories_per_component(4)
-            .max_tables_per_component(16)
+            .max_tables_per_component(64)
             .max_memory_size(config.max_memory)
             .linear_memory_keep_resident(1 << 20)
             .table_keep_resident(1 << 16)
@@ -281,11 +283,12 @@ impl wasmtime::ResourceLimiter for Limiter {
     fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= 1_000_000)
     }
+    // componentize-py components instantiate 38 core instances.
     fn instances(&self) -> usize {
-        32
+        64
     }
     fn tables(&self) -> usize {
-        64
+        128
     }
     fn memories(&self) -> usize {
         8

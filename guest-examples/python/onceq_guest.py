@@ -1,0 +1,160 @@
+"""onceq-guest for Python: write onceq message handlers in Python.
+
+A handler is a function taking a `Ctx` and a `Message`; it reads rows
+through the ctx (served from the message's transaction) and *describes*
+what should happen: row writes, follow-up messages and external intents.
+The host applies them together with the message's ack, in one
+transaction, or none of them. Export it with `export(handler)`:
+
+    from onceq_guest import export, reject
+
+    def handle(ctx, msg):
+        order = msg.json()
+        ...
+
+    Handler = export(handle)
+
+Build with `componentize-py -d wit -w queue-handler componentize app
+--stub-wasi -o app.wasm` (see the Makefile's `guests-python`).
+"""
+
+import json
+
+from componentize_py_types import Err
+from wit_world import exports
+from wit_world.imports import log as _log
+from wit_world.imports import store as _store
+from wit_world.imports import types as t
+
+
+class Reject(Exception):
+    """Dead-letter the message now, with this reason."""
+
+
+class Retry(Exception):
+    """Retry later (counts as an attempt), optionally after delay_ms."""
+
+    def __init__(self, reason, delay_ms=None):
+        super().__init__(reason)
+        self.delay_ms = delay_ms
+
+
+def reject(reason):
+    raise Reject(reason)
+
+
+def value(v):
+    """A Python value as a WIT value (None, bool, int, float, str, bytes)."""
+    if v is None:
+        return t.Value_Null()
+    if isinstance(v, bool):
+        return t.Value_Boolean(v)
+    if isinstance(v, int):
+        return t.Value_Int64(v)
+    if isinstance(v, float):
+        return t.Value_Float64(v)
+    if isinstance(v, str):
+        return t.Value_Text(v)
+    if isinstance(v, (bytes, bytearray)):
+        return t.Value_Bytes(bytes(v))
+    if isinstance(v, Timestamp):
+        return t.Value_Timestamp(v.micros)
+    raise TypeError(f"cannot store a {type(v).__name__}")
+
+
+class Timestamp:
+    """A timestamp column value, microseconds since the Unix epoch."""
+
+    def __init__(self, micros):
+        self.micros = micros
+
+
+def _plain(v):
+    return None if isinstance(v, t.Value_Null) else v.value
+
+
+class Message:
+    def __init__(self, m):
+        self.id = m.id
+        self.queue = m.queue
+        self.payload = m.payload
+        self.attributes = dict(m.attributes)
+        self.attempt = m.attempt
+        self.enqueued_at = m.enqueued_at
+        self.now = m.now
+        self.seed = m.seed
+
+    def json(self):
+        try:
+            return json.loads(self.payload)
+        except Exception as e:
+            raise Reject(f"malformed payload: {e}")
+
+
+class Ctx:
+    def __init__(self):
+        self.effects = []
+
+    def get(self, table, key):
+        """One row by primary key, as a dict, or None."""
+        try:
+            row = _store.get(table, [value(k) for k in key])
+        except Err as e:
+            raise Retry(f"read of {table} failed: {e.value}")
+        return None if row is None else {c.name: _plain(c.value) for c in row}
+
+    def scan(self, table, prefix, limit):
+        try:
+            rows = _store.scan(table, [value(k) for k in prefix], limit)
+        except Err as e:
+            raise Retry(f"scan of {table} failed: {e.value}")
+        return [{c.name: _plain(c.value) for c in r} for r in rows]
+
+    def _write(self, table, op, cols):
+        columns = [t.Column(k, value(v)) for k, v in cols.items()]
+        self.effects.append(t.Effect_Write(t.RowWrite(table, op, columns)))
+
+    def insert(self, table, **cols):
+        self._write(table, t.WriteOp.INSERT, cols)
+
+    def update(self, table, **cols):
+        self._write(table, t.WriteOp.UPDATE, cols)
+
+    def upsert(self, table, **cols):
+        self._write(table, t.WriteOp.UPSERT, cols)
+
+    def delete(self, table, **key):
+        self._write(table, t.WriteOp.DELETE, key)
+
+    def enqueue(self, queue, payload, delay_ms=None, dedup_key=None, attributes=()):
+        data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        self.effects.append(t.Effect_Enqueue(t.FollowUp(queue, data, list(attributes), delay_ms, dedup_key)))
+
+    def reschedule(self, msg, delay_ms, state):
+        """Ack now and continue later: `state` on this queue after delay_ms."""
+        self.enqueue(msg.queue, state, delay_ms=delay_ms)
+
+    def intent(self, connector, key, payload, metadata=()):
+        """An external side effect, delivered after commit with `key`."""
+        data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        self.effects.append(t.Effect_Intent(t.ExternalIntent(connector, key, data, list(metadata))))
+
+    def log(self, message, level=_log.Level.INFO):
+        _log.log(level, message)
+
+
+def export(handle):
+    """The component's export class for a handler function."""
+
+    class Handler(exports.Handler):
+        def handle(self, m):
+            ctx = Ctx()
+            try:
+                handle(ctx, Message(m))
+            except Reject as e:
+                raise Err(t.HandlerError_Reject(str(e)))
+            except Retry as e:
+                raise Err(t.HandlerError_Retry(t.RetryLater(str(e), e.delay_ms)))
+            return ctx.effects
+
+    return Handler
