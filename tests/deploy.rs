@@ -167,9 +167,7 @@ struct Host {
 
 impl Host {
     fn cmd(&self, args: &[&str]) -> tokio::process::Command {
-        let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
-        c.current_dir(self.dir.path()).args(args).env("RUST_LOG", "warn").kill_on_drop(true);
-        c
+        onceq_command(self.dir.path(), args)
     }
 
     async fn onceq(&self, args: &[&str]) -> (bool, String) {

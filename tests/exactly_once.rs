@@ -35,14 +35,7 @@ async fn payments_under_faults(
     let (faulty, counts) = FaultyStore::new(db.store.clone(), plan);
     let store: Arc<dyn Store> = Arc::new(faulty);
     let rt = runtime();
-    let handler = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
-    let r = runner(
-        &store,
-        "payments",
-        handler,
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(4, 5),
-    );
+    let r = payments_runner(&store, &rt, policy(4, 5));
     drain(&store, std::slice::from_ref(&r)).await;
     (db, r, counts)
 }

@@ -24,14 +24,7 @@ async fn payments_charges_declines_and_rejects() {
     )
     .await;
     let rt = runtime();
-    let h = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
-    let r = runner(
-        &db.store,
-        "payments",
-        h,
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(1, 3),
-    );
+    let r = payments_runner(&db.store, &rt, policy(1, 3));
     drain(&db.store, std::slice::from_ref(&r)).await;
 
     let status = |id: &str| {

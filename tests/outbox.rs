@@ -12,7 +12,6 @@ use common::http::{Faults, Receiver};
 use common::*;
 use onceq::outbox::{self, ConnectorConfig, OutboxSettings};
 use onceq::protocol::{HandleOutput, NativeHandler, QueueRunner};
-use onceq::runtime::HandlerLimits;
 use onceq::store::faulty::{FaultPlan, FaultyStore};
 use onceq::store::Store;
 use onceq::value::{Effect, Intent, RowWrite, Value, WriteOp};
@@ -122,13 +121,7 @@ async fn webhook_applies_each_intent_once_through_500s_timeouts_and_cut_connecti
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
     let rt = runtime();
-    let payments = runner(
-        &store,
-        "payments",
-        Arc::new(wasm(&rt, "payments", HandlerLimits::default())),
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(2, 5),
-    );
+    let payments = payments_runner(&store, &rt, policy(2, 5));
     let doomed = runner(
         &store,
         "doomed",
@@ -241,13 +234,7 @@ async fn refused_intents_are_dead_lettered_with_the_response_and_can_be_replayed
     seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
     db.send("payments", (0..4).map(|i| order(i, i, 10))).await;
     let rt = runtime();
-    let payments = runner(
-        &db.store,
-        "payments",
-        Arc::new(wasm(&rt, "payments", HandlerLimits::default())),
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(1, 3),
-    );
+    let payments = payments_runner(&db.store, &rt, policy(1, 3));
     let dispatcher = webhook(&db.store, &server.url(), Duration::from_secs(2), &fast_outbox());
     drain(&db.store, &[payments, dispatcher.clone()]).await;
     assert_eq!(server.seen().len(), 3);
@@ -339,13 +326,7 @@ async fn a_delivery_slower_than_its_lease_is_not_sent_twice() {
     seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
     db.send("payments", (0..3).map(|i| order(i, i, 10))).await;
     let rt = runtime();
-    let payments = runner(
-        &db.store,
-        "payments",
-        Arc::new(wasm(&rt, "payments", HandlerLimits::default())),
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(1, 3),
-    );
+    let payments = payments_runner(&db.store, &rt, policy(1, 3));
     drain(&db.store, &[payments]).await;
     let settings = OutboxSettings {
         lease: Duration::from_millis(400),
@@ -437,9 +418,7 @@ async fn a_worker_that_loses_its_lease_cannot_commit() {
 }
 
 fn onceq(dir: &std::path::Path, args: &[&str]) -> tokio::process::Command {
-    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
-    c.current_dir(dir).args(args).env("RUST_LOG", "warn").kill_on_drop(true);
-    c
+    onceq_command(dir, args)
 }
 
 async fn onceq_ok(dir: &std::path::Path, args: &[&str]) -> String {

@@ -80,7 +80,6 @@ async fn spanner_outbox_intents() {
 // ---- the exactly-once protocol on Spanner ----
 
 use common::*;
-use onceq::runtime::HandlerLimits;
 use onceq::store::faulty::{FaultPlan, FaultyStore};
 use onceq::store::Store;
 use std::sync::atomic::Ordering::Relaxed;
@@ -111,14 +110,7 @@ async fn spanner_payments_exactly_once_under_unknown_commit_outcomes() {
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
     let rt = runtime();
-    let handler = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
-    let r = runner(
-        &store,
-        "payments",
-        handler,
-        grants(&["accounts", "orders"], &[], &["charge"]),
-        policy(2, 5),
-    );
+    let r = payments_runner(&store, &rt, policy(2, 5));
     drain(&store, std::slice::from_ref(&r)).await;
     assert!(
         counts.after_commit.load(Relaxed) > 5 && counts.before_commit.load(Relaxed) > 2,

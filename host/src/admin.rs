@@ -202,6 +202,15 @@ struct Collector(Arc<Admin>);
 
 type Labels = Vec<(&'static str, String)>;
 
+/// One labelled value per runner.
+fn rows<'a, T>(
+    runners: impl IntoIterator<Item = &'a Arc<QueueRunner>>,
+    label: impl Fn(&QueueRunner) -> Labels,
+    value: impl Fn(&crate::protocol::Metrics) -> T,
+) -> Vec<(Labels, T)> {
+    runners.into_iter().map(|r| (label(r), value(&r.metrics))).collect()
+}
+
 fn counters(e: &mut DescriptorEncoder, name: &str, help: &str, rows: &[(Labels, u64)]) -> std::fmt::Result {
     let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
     for (labels, v) in rows {
@@ -241,7 +250,6 @@ impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let runners = &self.0.runners;
         let (queues, outboxes): (Vec<_>, Vec<_>) = runners.iter().partition(|r| outbox::connector_of(&r.spec.name).is_none());
-        let q = |r: &QueueRunner| vec![("queue", r.spec.name.clone())];
         let per_version = |f: fn(&crate::protocol::VersionCounts) -> u64| -> Vec<(Labels, u64)> {
             queues
                 .iter()
@@ -278,68 +286,51 @@ impl prometheus_client::collector::Collector for Collector {
             "Messages moved to the dead-letter table",
             &per_version(|c| c.dead_lettered),
         )?;
-        let each = |rs: &[&Arc<QueueRunner>], f: fn(&crate::protocol::Metrics) -> u64| -> Vec<(Labels, u64)> {
-            rs.iter().map(|r| (q(r), f(&r.metrics))).collect()
-        };
+        let queue = |r: &QueueRunner| vec![("queue", r.spec.name.clone())];
+        let connector = |r: &QueueRunner| vec![("connector", outbox::connector_of(&r.spec.name).unwrap_or_default().to_string())];
         counters(
             &mut e,
             "onceq_unknown_outcomes",
             "Commits whose outcome was unknown (each resolved by re-running)",
-            &each(&queues, |m| m.unknown_outcomes.load(Relaxed)),
+            &rows(queues.iter().copied(), queue, |m| m.unknown_outcomes.load(Relaxed)),
         )?;
         counters(
             &mut e,
             "onceq_lease_renewals",
             "Leases extended while a message waited or was handled",
-            &each(runners.iter().collect::<Vec<_>>().as_slice(), |m| m.lease_renewals.load(Relaxed)),
+            &rows(runners, queue, |m| m.lease_renewals.load(Relaxed)),
         )?;
         counters(
             &mut e,
             "onceq_leases_lost",
             "Leases lost (expired and taken by another worker, or renewal failed)",
-            &each(runners.iter().collect::<Vec<_>>().as_slice(), |m| m.lease_lost.load(Relaxed)),
+            &rows(runners, queue, |m| m.lease_lost.load(Relaxed)),
         )?;
         gauges(
             &mut e,
             "onceq_in_flight",
             "Messages (and intents) being processed now",
-            &runners
-                .iter()
-                .map(|r| (q(r), r.metrics.in_flight.load(Relaxed)))
-                .collect::<Vec<_>>(),
+            &rows(runners, queue, |m| m.in_flight.load(Relaxed)),
         )?;
-        let conn = |r: &QueueRunner| vec![("connector", outbox::connector_of(&r.spec.name).unwrap_or_default().to_string())];
         counters(
             &mut e,
             "onceq_outbox_delivered",
             "Intents delivered (acked after the connector accepted them)",
-            &outboxes
-                .iter()
-                .map(|r| {
-                    (
-                        conn(r),
-                        r.metrics.processed.load(Relaxed) + r.metrics.already_committed.load(Relaxed),
-                    )
-                })
-                .collect::<Vec<_>>(),
+            &rows(outboxes.iter().copied(), connector, crate::protocol::Metrics::acked),
         )?;
         counters(
             &mut e,
             "onceq_outbox_failed",
             "Delivery attempts that failed (retried later, or dead-lettered)",
-            &outboxes
-                .iter()
-                .map(|r| (conn(r), r.metrics.retried.load(Relaxed) + r.metrics.dead_lettered.load(Relaxed)))
-                .collect::<Vec<_>>(),
+            &rows(outboxes.iter().copied(), connector, |m| {
+                m.retried.load(Relaxed) + m.dead_lettered.load(Relaxed)
+            }),
         )?;
         counters(
             &mut e,
             "onceq_outbox_dead_lettered",
             "Intents refused for good or out of attempts",
-            &outboxes
-                .iter()
-                .map(|r| (conn(r), r.metrics.dead_lettered.load(Relaxed)))
-                .collect::<Vec<_>>(),
+            &rows(outboxes.iter().copied(), connector, |m| m.dead_lettered.load(Relaxed)),
         )?;
         {
             let mut m = e.encode_descriptor(

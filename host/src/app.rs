@@ -168,6 +168,11 @@ pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<Queu
     Ok(runners)
 }
 
+/// A client of the running host's admin API, with the configured token.
+pub fn admin_client(cfg: &Config, flag: Option<&str>) -> anyhow::Result<crate::admin::Client> {
+    crate::admin::Client::new(&admin_url(cfg, flag)?, cfg.admin.token.clone())
+}
+
 /// Where a running host's admin API is: `--admin`, else `ONCEQ_ADMIN_URL`,
 /// else the address the host wrote to its state folder, else the
 /// configured `admin.listen`.

@@ -363,7 +363,7 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
     println!("  already committed          {already}   (unknown outcome, first commit had landed)");
     println!("  retried attempts           {}", sum(runners, |m| m.retried.load(Relaxed)));
     println!("  dead-lettered              {dead}");
-    let delivered = sum(o.dispatchers, |m| m.processed.load(Relaxed) + m.already_committed.load(Relaxed));
+    let delivered = sum(o.dispatchers, protocol::Metrics::acked);
     println!(
         "  intents delivered          {delivered}   (to charges.jsonl after commit; {} repeats after an unknown outcome, same key)",
         o.charges
@@ -407,18 +407,9 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
         .iter()
         .all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
     let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
-    let dead_in_table: u64 = stats
-        .queues
-        .iter()
-        .filter(|q| outbox::connector_of(&q.queue).is_none())
-        .map(|q| q.dead)
-        .sum();
-    let dead_intents: u64 = stats
-        .queues
-        .iter()
-        .filter(|q| outbox::connector_of(&q.queue).is_some())
-        .map(|q| q.dead)
-        .sum();
+    let (queues, connectors) = app::outbox_stats(&stats);
+    let dead_in_table: u64 = queues.iter().map(|q| q.dead).sum();
+    let dead_intents: u64 = connectors.iter().map(|c| c.dead).sum();
 
     let checks = [
         (

@@ -136,6 +136,25 @@ pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, gr
     ))
 }
 
+/// The `payments` example on `store`, granted its tables and the `charge`
+/// connector.
+pub fn payments_runner(store: &Arc<dyn Store>, rt: &Runtime, policy: Policy) -> Arc<QueueRunner> {
+    runner(
+        store,
+        "payments",
+        Arc::new(wasm(rt, "payments", HandlerLimits::default())),
+        grants(&["accounts", "orders"], &[], &["charge"]),
+        policy,
+    )
+}
+
+/// The `onceq` binary, run in `dir` (killed if the test drops it).
+pub fn onceq_command(dir: &Path, args: &[&str]) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
+    c.current_dir(dir).args(args).env("RUST_LOG", "warn").kill_on_drop(true);
+    c
+}
+
 /// Outbox settings for tests: short backoff, short leases.
 pub fn fast_outbox() -> onceq::outbox::OutboxSettings {
     onceq::outbox::OutboxSettings {

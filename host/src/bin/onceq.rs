@@ -411,7 +411,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             admin,
         } => {
             let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
-            let client = onceq::admin::Client::new(&app::admin_url(&cfg, admin.as_deref())?, cfg.admin.token.clone())?;
+            let client = app::admin_client(&cfg, admin.as_deref())?;
             let d = client.deploy(&queue, bytes, label.as_deref()).await?;
             println!(
                 "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
@@ -420,7 +420,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Versions { queue, admin, json } => {
-            let client = onceq::admin::Client::new(&app::admin_url(&cfg, admin.as_deref())?, cfg.admin.token.clone())?;
+            let client = app::admin_client(&cfg, admin.as_deref())?;
             let list = client.versions(&queue).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
@@ -444,7 +444,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Rollback { queue, admin } => {
-            let client = onceq::admin::Client::new(&app::admin_url(&cfg, admin.as_deref())?, cfg.admin.token.clone())?;
+            let client = app::admin_client(&cfg, admin.as_deref())?;
             let d = client.rollback(&queue).await?;
             println!(
                 "rolled {queue} back to {}{}",

@@ -219,9 +219,15 @@ impl Metrics {
             .unwrap_or(0)
     }
 
+    /// Messages acked exactly once (by this worker's commit, or by an
+    /// earlier commit found after an unknown outcome).
+    pub fn acked(&self) -> u64 {
+        self.processed.load(Ordering::Relaxed) + self.already_committed.load(Ordering::Relaxed)
+    }
+
     /// Messages that reached a final outcome (acked once or dead-lettered).
     pub fn finished(&self) -> u64 {
-        self.processed.load(Ordering::Relaxed) + self.already_committed.load(Ordering::Relaxed) + self.dead_lettered.load(Ordering::Relaxed)
+        self.acked() + self.dead_lettered.load(Ordering::Relaxed)
     }
 }
 

@@ -223,6 +223,14 @@ pub struct QueueStats {
     pub dedup_keys: u64,
 }
 
+/// The entry of `queue` in a stats map, created empty if missing.
+pub(crate) fn queue_entry(map: &mut std::collections::BTreeMap<String, QueueStats>, queue: String) -> &mut QueueStats {
+    map.entry(queue.clone()).or_insert_with(|| QueueStats {
+        queue,
+        ..Default::default()
+    })
+}
+
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
 pub struct Stats {
     /// Every queue with messages, dead letters or dedup keys, by name.

@@ -920,53 +920,22 @@ impl Store for SpannerStore {
         while let Some(r) = rs.next().await {
             let r = r.map_err(classify)?;
             let q: String = r.get(0).map_err(classify)?;
-            let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats {
-                queue: q,
-                ..Default::default()
-            });
+            let e = queue_entry(&mut by_queue, q);
             e.ready = r.get::<i64>(1).map_err(classify)? as u64;
             e.leased = r.get::<i64>(2).map_err(classify)? as u64;
             e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
             e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
         }
-        let mut rs = c
-            .single_use()
-            .build()
-            .execute_query(Statement::builder("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue").build())
-            .await
-            .map_err(classify)?;
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
-            let q: String = r.get(0).map_err(classify)?;
-            by_queue
-                .entry(q.clone())
-                .or_insert_with(|| QueueStats {
-                    queue: q,
-                    ..Default::default()
-                })
-                .dead = r.get::<i64>(1).map_err(classify)? as u64;
+        for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
+            queue_entry(&mut by_queue, q).dead = n;
         }
-        let mut rs = c
-            .single_use()
-            .build()
-            .execute_query(
-                Statement::builder(format!(
-                    "SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"
-                ))
-                .build(),
-            )
-            .await
-            .map_err(classify)?;
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
-            let q: String = r.get(0).map_err(classify)?;
-            by_queue
-                .entry(q.clone())
-                .or_insert_with(|| QueueStats {
-                    queue: q,
-                    ..Default::default()
-                })
-                .dedup_keys = r.get::<i64>(1).map_err(classify)? as u64;
+        for (q, n) in counts_by_queue(
+            &c,
+            format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
+        )
+        .await?
+        {
+            queue_entry(&mut by_queue, q).dedup_keys = n;
         }
         Ok(Stats {
             queues: by_queue.into_values().collect(),
@@ -1057,6 +1026,25 @@ impl Store for SpannerStore {
             .await?;
         Ok(n.max(0) as u64)
     }
+}
+
+/// `(queue, count)` rows of a `SELECT queue, COUNT(*) ... GROUP BY queue`.
+async fn counts_by_queue(c: &DatabaseClient, sql: String) -> StoreResult<Vec<(String, u64)>> {
+    let mut rs = c
+        .single_use()
+        .build()
+        .execute_query(Statement::builder(sql).build())
+        .await
+        .map_err(classify)?;
+    let mut out = Vec::new();
+    while let Some(r) = rs.next().await {
+        let r = r.map_err(classify)?;
+        out.push((
+            r.get::<String>(0).map_err(classify)?,
+            r.get::<i64>(1).map_err(classify)?.max(0) as u64,
+        ));
+    }
+    Ok(out)
 }
 
 /// A `WHERE` condition on `queue` for a selection, with `@q` bound to the

@@ -294,6 +294,15 @@ fn attrs_from_json(s: &str) -> Vec<(String, String)> {
     serde_json::from_str(s).unwrap_or_default()
 }
 
+/// `(queue, count)` rows of a `SELECT queue, COUNT(*) ... GROUP BY queue`.
+fn counts_by_queue(c: &Connection, sql: &str) -> StoreResult<Vec<(String, u64)>> {
+    let mut stmt = c.prepare_cached(sql).map_err(classify)?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64)))
+        .map_err(classify)?;
+    rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+}
+
 /// A `WHERE` condition on `queue` for a selection, with `?{n}` bound to
 /// the returned text.
 fn queue_condition(q: Queues<'_>, n: usize) -> (String, String) {
@@ -660,48 +669,20 @@ impl Store for SqliteStore {
                 .map_err(classify)?;
             for row in rows {
                 let (q, ready, leased, delayed, next_due) = row.map_err(classify)?;
-                let e = by_queue.entry(q.clone()).or_insert_with(|| QueueStats {
-                    queue: q,
-                    ..Default::default()
-                });
+                let e = queue_entry(&mut by_queue, q);
                 e.ready = ready as u64;
                 e.leased = leased as u64;
                 e.delayed = delayed as u64;
                 e.next_due_ms = next_due.map(|ms| ms.max(0) as u64);
             }
-            let mut stmt = c
-                .prepare_cached("SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue")
-                .map_err(classify)?;
-            let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-                .map_err(classify)?;
-            for row in rows {
-                let (q, dead) = row.map_err(classify)?;
-                by_queue
-                    .entry(q.clone())
-                    .or_insert_with(|| QueueStats {
-                        queue: q,
-                        ..Default::default()
-                    })
-                    .dead = dead as u64;
+            for (q, n) in counts_by_queue(c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue")? {
+                queue_entry(&mut by_queue, q).dead = n;
             }
-            let mut stmt = c
-                .prepare_cached(&format!(
-                    "SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"
-                ))
-                .map_err(classify)?;
-            let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-                .map_err(classify)?;
-            for row in rows {
-                let (q, keys) = row.map_err(classify)?;
-                by_queue
-                    .entry(q.clone())
-                    .or_insert_with(|| QueueStats {
-                        queue: q,
-                        ..Default::default()
-                    })
-                    .dedup_keys = keys as u64;
+            for (q, n) in counts_by_queue(
+                c,
+                &format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
+            )? {
+                queue_entry(&mut by_queue, q).dedup_keys = n;
             }
             Ok(Stats {
                 queues: by_queue.into_values().collect(),
