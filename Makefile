@@ -11,8 +11,14 @@ PY_TOOLS     := tools/python
 COMPONENTIZE_PY_VERSION := 0.25.1
 COMPONENTIZE_PY := $(PY_TOOLS)/bin/componentize-py
 PY_OUT       := $(GUEST_DIR)/target/python
+PY_GUESTS    := payments inventory
+NPM          ?= npm
+JS_DIR       := $(GUEST_DIR)/js
+COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
+JS_OUT       := $(GUEST_DIR)/target/js
+JS_GUESTS    := payments inventory fixtures/clock
 
-.PHONY: all tools guests guests-python build run run-spanner test bench lint fmt clean emulator
+.PHONY: all tools guests guests-python guests-js build run run-spanner test bench lint fmt clean emulator
 
 all: build guests
 
@@ -21,14 +27,31 @@ tools:
 	@rustup target list --installed | grep -qx $(GUEST_TARGET) || rustup target add $(GUEST_TARGET)
 
 ## guests: build the guest SDK, the examples and the test fixtures (own
-## workspace), and the Python examples when python3 is present
+## workspace), the Python examples when python3 is present and the
+## JavaScript examples when npm is present
 guests: tools
 	cd $(GUEST_DIR) && $(CARGO) build --release --target $(GUEST_TARGET)
 	@if command -v $(PYTHON) >/dev/null 2>&1; then $(MAKE) --no-print-directory guests-python; \
 	 else echo "python3 not found: skipping the Python guests"; fi
+	@if command -v $(NPM) >/dev/null 2>&1; then $(MAKE) --no-print-directory guests-js; \
+	 else echo "npm not found: skipping the JavaScript guests"; fi
 
 ## guests-python: componentize-py (pinned, in tools/python) builds the Python examples
-guests-python: $(PY_OUT)/payments.wasm
+guests-python: $(PY_GUESTS:%=$(PY_OUT)/%.wasm)
+
+## guests-js: componentize-js (pinned in guest-examples/js/package-lock.json,
+## installed there by npm ci) builds the JavaScript examples. Only the
+## deterministic WASI stays imported (clocks, random, stderr): stdio (which
+## brings the filesystem) and http are disabled.
+guests-js: $(JS_GUESTS:%=$(JS_OUT)/%.wasm)
+
+$(COMPONENTIZE_JS): $(JS_DIR)/package.json $(JS_DIR)/package-lock.json
+	cd $(JS_DIR) && $(NPM) ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+$(JS_OUT)/%.wasm: $(JS_DIR)/%/app.js $(JS_DIR)/onceq-guest.js wit/handler.wit | $(COMPONENTIZE_JS)
+	@mkdir -p $(dir $@)
+	$(COMPONENTIZE_JS) $< --wit wit -n queue-handler -d stdio http fetch-event -o $@
 
 $(COMPONENTIZE_PY):
 	$(PYTHON) -m venv $(PY_TOOLS)

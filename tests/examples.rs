@@ -203,14 +203,19 @@ async fn report_runs_as_checkpointed_steps_with_ack_and_reschedule() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rust_and_python_payments_leave_the_same_database_state() {
-    let py = repo_root().join("guest-examples/target/python/payments.wasm");
-    assert!(py.exists(), "{} is missing: run `make guests` (needs python3)", py.display());
-    let rt = runtime();
+async fn rust_python_and_javascript_payments_leave_the_same_database_state() {
+    let port = |lang: &str| {
+        let p = repo_root().join(format!("guest-examples/target/{lang}/payments.wasm"));
+        assert!(p.exists(), "{} is missing: run `make guests` (needs python3 and npm)", p.display());
+        p
+    };
+    let (py, js) = (port("python"), port("js"));
+    let rt = runtime_cached();
     let mut states = Vec::new();
     for handler in [
         Arc::new(wasm(&rt, "payments", HandlerLimits::default())),
         Arc::new(rt.load_file(&py, HandlerLimits::default()).unwrap()),
+        Arc::new(rt.load_file(&js, HandlerLimits::default()).unwrap()),
     ] {
         let db = TestDb::new(PAYMENTS_SQL);
         seed_accounts(db.store.as_ref(), 5, 300).await;
@@ -261,5 +266,9 @@ async fn rust_and_python_payments_leave_the_same_database_state() {
     assert_eq!(
         states[0], states[1],
         "Rust and Python payments: same orders, balances, intents and dead letters"
+    );
+    assert_eq!(
+        states[0], states[2],
+        "Rust and JavaScript payments: same orders, balances, intents and dead letters"
     );
 }

@@ -154,37 +154,114 @@ fn report_checkpoints_a_step_and_reschedules_itself() {
     assert_eq!(step.intents().count(), 0, "not done yet");
 }
 
-fn python_guest(name: &str) -> PathBuf {
+/// A port of an example in another language, built by `make guests`.
+fn port(lang: &str, name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../guest-examples/target/python")
+        .join("../../guest-examples/target")
+        .join(lang)
         .join(format!("{name}.wasm"));
-    assert!(p.exists(), "{} is missing: run `make guests` (needs python3)", p.display());
+    let needs = if lang == "js" { "npm" } else { "python3" };
+    assert!(p.exists(), "{} is missing: run `make guests` (needs {needs})", p.display());
     p
 }
 
+/// The JS and Python components take seconds to compile: tests share the
+/// on-disk cache, as a handler author's tests would.
+fn cached_kit() -> TestKit {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/onceq-test-cache");
+    TestKit::with_cache(dir).unwrap()
+}
+
+/// Every case through the Rust example and its ports: same outcome, same
+/// effects byte for byte, same number of reads.
+fn ports_behave_like_rust(kit: &TestKit, name: &str, db: &Fixture, cases: &[&str]) {
+    let rust = kit.load(guest(name)).unwrap();
+    for lang in ["python", "js"] {
+        let other = kit.load(port(lang, name)).unwrap();
+        for payload in cases {
+            let msg = kit.message(name, *payload);
+            let (r, o) = (kit.run(&rust, db, &msg), kit.run(&other, db, &msg));
+            assert_eq!(o.outcome, r.outcome, "{lang} {name} {payload}: {o:?}");
+            assert_eq!(
+                serde_json::to_value(&o.effects).unwrap(),
+                serde_json::to_value(&r.effects).unwrap(),
+                "{lang} {name} {payload}: same effects, byte for byte"
+            );
+            assert_eq!(o.reads, r.reads, "{lang} {name} {payload}");
+            if r.outcome == "reject" {
+                let (rr, or) = (r.reason.unwrap(), o.reason.unwrap());
+                if rr.starts_with("malformed payload") {
+                    // Parser messages differ by language.
+                    assert!(or.starts_with("malformed payload"), "{lang} {name} {payload}: {or}");
+                } else {
+                    assert_eq!(or, rr, "{lang} {name} {payload}: the same reason");
+                }
+            }
+        }
+    }
+}
+
 #[test]
-fn the_python_payments_port_behaves_like_the_rust_one() {
-    let kit = TestKit::new().unwrap().connectors(&["charge"]);
-    let rust = kit.load(guest("payments")).unwrap();
-    let python = kit.load(python_guest("payments")).unwrap();
-    let db = payments_db();
+fn the_python_and_javascript_payments_ports_behave_like_the_rust_one() {
+    let kit = cached_kit().connectors(&["charge"]);
     let cases = [
         r#"{"order_id": "o-1", "account": "acct-1", "amount": 60}"#,
         r#"{"order_id": "o-2", "account": "acct-1", "amount": 500}"#,
         r#"{"order_id": "o-3", "account": "acct-9", "amount": 5}"#,
         r#"{"order_id": "o-4", "account": "acct-1", "amount": -5}"#,
         r#"{"order_id": "o-5", "account": "acct-1"}"#,
+        r#"{"order_id": "o-6", "account": "acct-1", "amount": 100}"#,
         "{",
     ];
-    for payload in cases {
-        let msg = kit.message("payments", payload);
-        let (r, p) = (kit.run(&rust, &db, &msg), kit.run(&python, &db, &msg));
-        assert_eq!(p.outcome, r.outcome, "{payload}: {p:?}");
-        assert_eq!(
-            serde_json::to_value(&p.effects).unwrap(),
-            serde_json::to_value(&r.effects).unwrap(),
-            "{payload}: same effects, byte for byte"
-        );
-        assert_eq!(p.reads, r.reads, "{payload}");
-    }
+    ports_behave_like_rust(&kit, "payments", &payments_db(), &cases);
+}
+
+#[test]
+fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
+    let kit = cached_kit();
+    let mut db = Fixture::from_ddl(include_str!("../guest-examples/inventory/schema.sql")).unwrap();
+    db.insert("items", [("sku", s("sku-1")), ("stock", Value::Int64(2))]).unwrap();
+    let cases = [
+        r#"{"order_id": "o-1", "sku": "sku-1", "qty": 2}"#,
+        r#"{"order_id": "o-2", "sku": "sku-1", "qty": 3}"#,
+        r#"{"order_id": "o-3", "sku": "sku-404", "qty": 1}"#,
+        r#"{"order_id": "o-4", "sku": "sku-1", "qty": 0}"#,
+        r#"{"order_id": "o-5", "qty": 1}"#,
+        "not json",
+    ];
+    ports_behave_like_rust(&kit, "inventory", &db, &cases);
+}
+
+#[test]
+fn javascript_clock_random_and_console_are_the_message_s_and_bugs_name_themselves() {
+    let kit = cached_kit();
+    let js = kit.load(port("js", "fixtures/clock")).unwrap();
+    let db = Fixture::from_ddl("CREATE TABLE clock (id TEXT PRIMARY KEY, seen TEXT NOT NULL);").unwrap();
+    let effects = |msg: &onceq_testkit::Message| {
+        let r = kit.run(&js, &db, msg);
+        assert!(r.is_ok(), "{r:?}");
+        let w = r.writes().next().unwrap().clone();
+        let seen = match column(&w, "seen") {
+            Some(Value::String(s)) => s.clone(),
+            other => panic!("seen column: {other:?}"),
+        };
+        serde_json::from_str::<serde_json::Value>(&seen).unwrap()
+    };
+    let msg = kit.message("clock", "{}");
+    let first = effects(&msg);
+    // Date.now() is the message's logical time, in milliseconds.
+    assert_eq!(first["now"].as_i64(), Some(onceq_testkit::TEST_TIME / 1000));
+    // Math.random() and crypto.getRandomValues() are seeded per message:
+    // the same message gives the same numbers, another message others.
+    assert_eq!(effects(&msg), first, "a re-run sees the same clock and randomness");
+    let mut other = kit.message("clock", "{}");
+    other.id = "m-2".into();
+    let second = effects(&other);
+    assert_ne!(second["random"], first["random"]);
+    assert_ne!(second["crypto"], first["crypto"]);
+    // An uncaught exception is a retry whose reason names it.
+    let bug = kit.run(&js, &db, &kit.message("clock", r#"{"throw": true}"#));
+    assert_eq!(bug.outcome, "retry", "{bug:?}");
+    let reason = bug.reason.unwrap();
+    assert!(reason.contains("uncaught TypeError"), "{reason}");
 }

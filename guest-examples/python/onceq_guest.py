@@ -19,6 +19,7 @@ Build with `componentize-py -d wit -w queue-handler componentize app
 """
 
 import json
+import traceback
 
 from componentize_py_types import Err
 from wit_world import exports
@@ -144,7 +145,8 @@ class Ctx:
 
 
 def export(handle):
-    """The component's export class for a handler function."""
+    """The component's export class for a handler function. An exception
+    other than `Reject`/`Retry` is a retry whose reason names it."""
 
     class Handler(exports.Handler):
         def handle(self, m):
@@ -155,6 +157,12 @@ def export(handle):
                 raise Err(t.HandlerError_Reject(str(e)))
             except Retry as e:
                 raise Err(t.HandlerError_Retry(t.RetryLater(str(e), e.delay_ms)))
+            except Exception as e:
+                # A bug: retried (counts as an attempt) with a reason naming
+                # it, so it shows in the dead letter after max_attempts
+                # instead of as a bare trap.
+                trace = "".join(traceback.format_exception(e))
+                raise Err(t.HandlerError_Retry(t.RetryLater(f"uncaught {trace}", None)))
             return ctx.effects
 
     return Handler

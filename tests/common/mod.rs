@@ -96,6 +96,18 @@ pub fn runtime() -> Runtime {
     .expect("runtime")
 }
 
+/// [`runtime`] with the on-disk compiled-component cache the tests share
+/// (`target/onceq-test-cache`): the JS and Python components compile once.
+pub fn runtime_cached() -> Runtime {
+    Runtime::new(RuntimeConfig {
+        max_instances: 64,
+        max_memory: 64 << 20,
+        cache_dir: Some(repo_root().join("target/onceq-test-cache")),
+        ..Default::default()
+    })
+    .expect("runtime")
+}
+
 pub fn wasm(runtime: &Runtime, name: &str, limits: HandlerLimits) -> WasmHandler {
     runtime.load_file(&guest(name), limits).expect("load guest")
 }

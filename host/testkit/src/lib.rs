@@ -61,9 +61,22 @@ pub const TEST_TIME: i64 = 1_767_225_600_000_000;
 
 impl TestKit {
     pub fn new() -> anyhow::Result<TestKit> {
+        TestKit::build(None)
+    }
+
+    /// Like [`TestKit::new`], with compiled components cached on disk in
+    /// `dir` (the host's `runtime.cache`): the JavaScript and Python
+    /// components take seconds to compile, then milliseconds to load from
+    /// the cache in every later test run.
+    pub fn with_cache(dir: impl AsRef<Path>) -> anyhow::Result<TestKit> {
+        TestKit::build(Some(dir.as_ref().to_path_buf()))
+    }
+
+    fn build(cache_dir: Option<std::path::PathBuf>) -> anyhow::Result<TestKit> {
         Ok(TestKit {
             runtime: onceq::runtime::Runtime::new(onceq::runtime::RuntimeConfig {
                 max_instances: 4,
+                cache_dir,
                 ..Default::default()
             })?,
             rt: tokio::runtime::Builder::new_current_thread().enable_all().build()?,

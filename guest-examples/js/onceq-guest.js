@@ -1,0 +1,287 @@
+// onceq-guest for JavaScript: write onceq message handlers in JavaScript.
+//
+// A handler is a function taking a `Ctx` and a `Message`; it reads rows
+// through the ctx (served from the message's transaction) and *describes*
+// what should happen: row writes, follow-up messages and external intents.
+// The host applies them together with the message's ack, in one
+// transaction, or none of them. Export it as the `handler` interface:
+//
+//     import { defineHandler, reject } from '../onceq-guest.js';
+//
+//     export const handler = defineHandler((ctx, msg) => {
+//       const order = msg.json();
+//       ...
+//     });
+//
+// Build with componentize-js (see the Makefile's `guests-js`):
+//
+//     componentize-js app.js --wit wit -n queue-handler \
+//         -d stdio http fetch-event -o app.wasm
+//
+// `-d stdio http fetch-event` leaves only the deterministic WASI the host
+// provides: `Date.now()` reads the message's logical time and
+// `Math.random()` / `crypto.getRandomValues()` are seeded from the message
+// id, so a re-run of the same message gives the same effects. `console.*`
+// goes to the message's log.
+
+import { log as hostLog } from 'onceq:handler/log@0.1.0';
+import { get as storeGet, scan as storeScan } from 'onceq:handler/store@0.1.0';
+
+/** Dead-letter the message now, with this reason. */
+export class Reject extends Error {}
+
+/** Retry later (counts as an attempt), optionally after `delayMs`. */
+export class Retry extends Error {
+  constructor(reason, delayMs) {
+    super(reason);
+    this.delayMs = delayMs;
+  }
+}
+
+export function reject(reason) {
+  throw new Reject(reason);
+}
+
+export function retry(reason, delayMs) {
+  throw new Retry(reason, delayMs);
+}
+
+/** A timestamp column value, microseconds since the Unix epoch. */
+export class Timestamp {
+  constructor(micros) {
+    this.micros = BigInt(micros);
+  }
+}
+
+/** A float64 column value (a JS number with no fraction is stored as int64). */
+export class Float64 {
+  constructor(x) {
+    this.value = Number(x);
+  }
+}
+
+/** A JSON column value: any JSON-serialisable value. */
+export class Json {
+  constructor(v) {
+    this.value = v;
+  }
+}
+
+/**
+ * Compact JSON with object keys sorted, so the same value always gives the
+ * same bytes (and the same bytes as the Rust and Python SDKs).
+ */
+export function stableJson(v) {
+  return JSON.stringify(v, (_, x) =>
+    x && typeof x === 'object' && !Array.isArray(x) && !(x instanceof Uint8Array)
+      ? Object.fromEntries(Object.keys(x).sort().map((k) => [k, x[k]]))
+      : typeof x === 'bigint'
+        ? Number(x)
+        : x,
+  );
+}
+
+/** A JavaScript value as a WIT value. */
+export function value(v) {
+  if (v === null || v === undefined) return { tag: 'null' };
+  if (typeof v === 'boolean') return { tag: 'boolean', val: v };
+  if (typeof v === 'bigint') return { tag: 'int64', val: v };
+  if (typeof v === 'number') {
+    return Number.isInteger(v) ? { tag: 'int64', val: BigInt(v) } : { tag: 'float64', val: v };
+  }
+  if (typeof v === 'string') return { tag: 'text', val: v };
+  if (v instanceof Uint8Array) return { tag: 'bytes', val: v };
+  if (v instanceof Timestamp) return { tag: 'timestamp', val: v.micros };
+  if (v instanceof Float64) return { tag: 'float64', val: v.value };
+  if (v instanceof Json) return { tag: 'json', val: stableJson(v.value) };
+  if (v instanceof Date) return { tag: 'timestamp', val: BigInt(v.getTime()) * 1000n };
+  throw new TypeError(`cannot store a ${v?.constructor?.name ?? typeof v}; wrap JSON in new Json(...)`);
+}
+
+function plainInt(n) {
+  const x = Number(n);
+  return Number.isSafeInteger(x) ? x : n;
+}
+
+/** A WIT value as a plain JavaScript value (int64 and timestamps as numbers when safe). */
+function plain(v) {
+  switch (v.tag) {
+    case 'null':
+      return null;
+    case 'int64':
+    case 'timestamp':
+      return plainInt(v.val);
+    default:
+      return v.val;
+  }
+}
+
+function rowObject(row) {
+  return Object.fromEntries(row.map((c) => [c.name, plain(c.value)]));
+}
+
+const encoder = new TextEncoder();
+const decoder = new TextDecoder();
+
+/** The message being handled. */
+export class Message {
+  constructor(m) {
+    this.id = m.id;
+    this.queue = m.queue;
+    this.payload = m.payload;
+    this.attributes = Object.fromEntries(m.attributes);
+    this.attempt = m.attempt;
+    this.enqueuedAt = plainInt(m.enqueuedAt);
+    this.now = plainInt(m.now);
+    this.seed = m.seed;
+  }
+
+  /** The payload as text. */
+  text() {
+    return decoder.decode(this.payload);
+  }
+
+  /** The payload parsed as JSON; a malformed payload rejects the message. */
+  json() {
+    try {
+      return JSON.parse(this.text());
+    } catch (e) {
+      throw new Reject(`malformed payload: ${e.message}`);
+    }
+  }
+}
+
+function hostError(e) {
+  return e && typeof e === 'object' && 'payload' in e ? e.payload : String(e);
+}
+
+/** What a handler reads and emits. */
+export class Ctx {
+  constructor() {
+    this.effects = [];
+  }
+
+  /** One row by primary key (values in key column order), as an object, or null. */
+  get(table, key) {
+    let row;
+    try {
+      row = storeGet(table, key.map(value));
+    } catch (e) {
+      throw new Retry(`read of ${table} failed: ${hostError(e)}`);
+    }
+    return row === undefined || row === null ? null : rowObject(row);
+  }
+
+  /** Rows whose key starts with `prefix`, in key order, at most `limit`. */
+  scan(table, prefix, limit) {
+    let rows;
+    try {
+      rows = storeScan(table, prefix.map(value), limit);
+    } catch (e) {
+      throw new Retry(`scan of ${table} failed: ${hostError(e)}`);
+    }
+    return rows.map(rowObject);
+  }
+
+  #write(table, op, cols) {
+    const columns = Object.entries(cols).map(([name, v]) => ({ name, value: value(v) }));
+    this.effects.push({ tag: 'write', val: { table, op, columns } });
+  }
+
+  /** Create a row; the attempt fails if the key exists. */
+  insert(table, cols) {
+    this.#write(table, 'insert', cols);
+  }
+
+  /** Change the given columns of an existing row. */
+  update(table, cols) {
+    this.#write(table, 'update', cols);
+  }
+
+  /** Insert, or update the given columns if the key exists. */
+  upsert(table, cols) {
+    this.#write(table, 'upsert', cols);
+  }
+
+  /** Delete a row by key (give only the primary-key columns). */
+  delete(table, key) {
+    this.#write(table, 'delete', key);
+  }
+
+  /** A follow-up message (JSON payload), enqueued with the ack. */
+  enqueue(queue, payload, { delayMs, dedupKey, attributes = {} } = {}) {
+    this.effects.push({
+      tag: 'enqueue',
+      val: {
+        queue,
+        payload: encoder.encode(stableJson(payload)),
+        attributes: Object.entries(attributes),
+        delayMs: delayMs === undefined ? undefined : BigInt(delayMs),
+        dedupKey,
+      },
+    });
+  }
+
+  /** Ack now and continue later: `state` on this queue after `delayMs`. */
+  reschedule(msg, delayMs, state) {
+    this.enqueue(msg.queue, state, { delayMs });
+  }
+
+  /** An external side effect, delivered after commit with `key`. */
+  intent(connector, key, payload, metadata = {}) {
+    this.effects.push({
+      tag: 'intent',
+      val: {
+        connector,
+        idempotencyKey: key,
+        payload: encoder.encode(stableJson(payload)),
+        metadata: Object.entries(metadata),
+      },
+    });
+  }
+
+  /** A line in the message's log. */
+  log(message, level = 'info') {
+    hostLog(level, String(message));
+  }
+}
+
+function describe(e) {
+  if (e instanceof Error) return `${e.name}: ${e.message}${e.stack ? `\n${e.stack}` : ''}`;
+  return String(e);
+}
+
+const line = (level) => (...args) =>
+  hostLog(level, args.map((a) => (typeof a === 'string' ? a : describe(a))).join(' '));
+globalThis.console = {
+  ...globalThis.console,
+  log: line('info'),
+  info: line('info'),
+  debug: line('debug'),
+  warn: line('warn'),
+  error: line('error'),
+};
+
+/**
+ * The `handler` export for a handler function. An exception other than
+ * `Reject`/`Retry` is a retry whose reason names it, so a bug shows up in
+ * the dead letter after `max_attempts` instead of as a bare trap.
+ */
+export function defineHandler(handle) {
+  return {
+    handle(m) {
+      const ctx = new Ctx();
+      try {
+        handle(ctx, new Message(m));
+      } catch (e) {
+        if (e instanceof Reject) throw { tag: 'reject', val: e.message };
+        if (e instanceof Retry) {
+          const delayMs = e.delayMs === undefined ? undefined : BigInt(e.delayMs);
+          throw { tag: 'retry', val: { reason: e.message, delayMs } };
+        }
+        throw { tag: 'retry', val: { reason: `uncaught ${describe(e)}`, delayMs: undefined } };
+      }
+      return ctx.effects;
+    },
+  };
+}
