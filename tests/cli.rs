@@ -317,28 +317,72 @@ fn bad_config_is_a_clear_error() {
     );
 }
 
+fn onceq_in(cwd: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceq"))
+        .current_dir(cwd)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
+}
+
+/// What a new project's author does after building it: check, init, try,
+/// send three events, run until empty; the counter must read 6.
+fn scaffolded_project_counts(project: &Path, component: &str, queue: &str) {
+    let (ok, out) = onceq_in(project, &["check", component]);
+    assert!(ok && out.contains("ok: fits the onceq:handler world"), "{out}");
+    let cfg = project.join("onceq.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{text}\n[admin]\nlisten = \"127.0.0.1:0\"\n")).unwrap();
+    let (ok, out) = onceq_in(project, &["init"]);
+    assert!(ok, "{out}");
+    let (ok, out) = onceq_in(project, &["try", component, "--message", "message.json", "--queue", queue]);
+    assert!(ok && out.contains("\"outcome\": \"ok\"") && out.contains("counters"), "{out}");
+    for _ in 0..3 {
+        let (ok, out) = onceq_in(project, &["send", queue, "--payload", r#"{"key": "signup", "by": 2}"#]);
+        assert!(ok, "{out}");
+    }
+    let (ok, out) = onceq_in(project, &["send", queue, "--payload", r#"{"key": "signup", "by": -1}"#]);
+    assert!(ok, "{out}");
+    let (ok, out) = onceq_in(project, &["run", "--until-empty"]);
+    assert!(
+        ok && out.contains(&format!("{queue}: processed 3")) && out.contains("dead-lettered 1"),
+        "{out}"
+    );
+    let db = rusqlite::Connection::open(project.join("data/onceq.db")).unwrap();
+    let count: i64 = db
+        .query_row("SELECT count FROM counters WHERE key = 'signup'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(count, 6, "three events of 2; the negative one dead-lettered");
+}
+
+fn run_ok(cmd: &mut Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn onceq_new_scaffolds_a_rust_handler_that_builds_checks_and_counts() {
     let dir = tempfile::tempdir().unwrap();
-    let onceq = |cwd: &Path, args: &[&str]| -> (bool, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_onceq"))
-            .current_dir(cwd)
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
-        )
-    };
-    let (ok, out) = onceq(dir.path(), &["new", "hello-counter"]);
+    let (ok, out) = onceq_in(dir.path(), &["new", "hello-counter"]);
     assert!(ok && out.contains("created") && out.contains("cargo build --release"), "{out}");
-    let (ok, out) = onceq(dir.path(), &["new", "hello-counter"]);
+    let (ok, out) = onceq_in(dir.path(), &["new", "hello-counter"]);
     assert!(!ok && out.contains("already exists"), "{out}");
-    let (ok, out) = onceq(dir.path(), &["new", "other", "--lang", "python"]);
-    assert!(!ok && out.contains("not supported yet"), "{out}");
-    let (ok, out) = onceq(dir.path(), &["new", "Bad Name"]);
+    let (ok, out) = onceq_in(dir.path(), &["new", "other", "--lang", "cobol"]);
+    assert!(
+        !ok && out.contains("--lang cobol: onceq scaffolds rust, js, python handlers"),
+        "{out}"
+    );
+    let (ok, out) = onceq_in(dir.path(), &["new", "Bad Name"]);
     assert!(!ok && out.contains("lowercase letters"), "{out}");
 
     // Build it as an author would (sharing the examples' dependencies and
@@ -346,46 +390,60 @@ fn onceq_new_scaffolds_a_rust_handler_that_builds_checks_and_counts() {
     let project = dir.path().join("hello-counter");
     let guests = repo_root().join("guest-examples");
     std::fs::copy(guests.join("Cargo.lock"), project.join("Cargo.lock")).unwrap();
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .current_dir(&project)
-        .args(["build", "--release"])
-        .env("CARGO_TARGET_DIR", guests.join("target"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "cargo build failed: {}", String::from_utf8_lossy(&out.stderr));
+    run_ok(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(&project)
+            .args(["build", "--release"])
+            .env("CARGO_TARGET_DIR", guests.join("target")),
+    );
     let built = guests.join("target/wasm32-wasip2/release/hello_counter.wasm");
     let local = project.join("target/wasm32-wasip2/release/hello_counter.wasm");
     std::fs::create_dir_all(local.parent().unwrap()).unwrap();
     std::fs::copy(&built, &local).unwrap();
+    scaffolded_project_counts(&project, "target/wasm32-wasip2/release/hello_counter.wasm", "hello-counter");
+}
 
-    let (ok, out) = onceq(&project, &["check", "target/wasm32-wasip2/release/hello_counter.wasm"]);
-    assert!(ok && out.contains("ok: fits the onceq:handler world"), "{out}");
-    let cfg = project.join("onceq.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, format!("{text}\n[admin]\nlisten = \"127.0.0.1:0\"\n")).unwrap();
-    let (ok, out) = onceq(&project, &["init"]);
-    assert!(ok, "{out}");
-    let (ok, out) = onceq(
-        &project,
-        &[
-            "try",
-            "target/wasm32-wasip2/release/hello_counter.wasm",
-            "--message",
-            "message.json",
-            "--queue",
-            "hello-counter",
-        ],
+#[test]
+fn onceq_new_scaffolds_a_javascript_handler_that_builds_checks_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out) = onceq_in(dir.path(), &["new", "hello-js", "--lang", "js"]);
+    assert!(ok && out.contains("npm install") && out.contains("npm run build"), "{out}");
+    let project = dir.path().join("hello-js");
+    // `npm install` would fetch the pinned builder its package.json names;
+    // the examples' copy (same pins) stands in for it, then the project's
+    // own build script runs.
+    let tools = repo_root().join("guest-examples/js");
+    let pinned = |p: &Path| -> serde_json::Value {
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p.join("package.json")).unwrap()).unwrap()["devDependencies"]
+            .clone()
+    };
+    assert_eq!(pinned(&project), pinned(&tools), "the scaffold pins the builder the examples use");
+    std::os::unix::fs::symlink(tools.join("node_modules"), project.join("node_modules")).unwrap();
+    run_ok(Command::new("npm").current_dir(&project).args(["run", "build"]));
+    scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
+}
+
+#[test]
+fn onceq_new_scaffolds_a_python_handler_that_builds_checks_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out) = onceq_in(dir.path(), &["new", "hello-py", "--lang", "python"]);
+    assert!(ok && out.contains("make"), "{out}");
+    let project = dir.path().join("hello-py");
+    // The project's Makefile would install componentize-py (pinned in its
+    // requirements.txt) into .venv; the copy `make guests` installed (same
+    // pin) stands in for it.
+    let pin = std::fs::read_to_string(project.join("requirements.txt")).unwrap();
+    let makefile = std::fs::read_to_string(repo_root().join("Makefile")).unwrap();
+    let version = pin.trim().strip_prefix("componentize-py==").unwrap();
+    assert!(
+        makefile.contains(&format!("COMPONENTIZE_PY_VERSION := {version}")),
+        "same pin as the examples"
     );
-    assert!(ok && out.contains("\"outcome\": \"ok\"") && out.contains("counters"), "{out}");
-    for _ in 0..3 {
-        let (ok, out) = onceq(&project, &["send", "hello-counter", "--payload", r#"{"key": "signup", "by": 2}"#]);
-        assert!(ok, "{out}");
-    }
-    let (ok, out) = onceq(&project, &["run", "--until-empty"]);
-    assert!(ok && out.contains("hello-counter: processed 3"), "{out}");
-    let db = rusqlite::Connection::open(project.join("data/onceq.db")).unwrap();
-    let count: i64 = db
-        .query_row("SELECT count FROM counters WHERE key = 'signup'", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(count, 6);
+    let componentize = repo_root().join("tools/python/bin/componentize-py");
+    run_ok(
+        Command::new("make")
+            .current_dir(&project)
+            .arg(format!("COMPONENTIZE_PY={}", componentize.display())),
+    );
+    scaffolded_project_counts(&project, "build/hello_py.wasm", "hello-py");
 }

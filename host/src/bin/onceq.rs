@@ -123,13 +123,13 @@ enum Command {
     /// Write a new handler project, ready to build, check and run.
     New {
         name: String,
-        /// Language of the handler.
+        /// Language of the handler: rust, js or python.
         #[arg(long, default_value = "rust")]
         lang: String,
         /// Where to create it.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
-        /// The guest SDK's folder (default: the one next to this onceq).
+        /// The Rust guest SDK's folder (default: the one next to this onceq).
         #[arg(long)]
         sdk: Option<PathBuf>,
     },
@@ -217,15 +217,14 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         return onceq::demo::run(args).await;
     }
     if let Command::New { name, lang, dir, sdk } = &cli.command {
-        let path = onceq::scaffold::new_project(dir, name, lang, sdk.as_deref())?;
-        println!("created {} ({lang} handler); next:", path.display());
-        println!("  cd {}", path.display());
-        println!("  cargo build --release");
-        println!("  onceq check target/wasm32-wasip2/release/{}.wasm", name.replace('-', "_"));
-        println!(
-            "  onceq init && onceq try target/wasm32-wasip2/release/{}.wasm --message message.json --queue {name}",
-            name.replace('-', "_")
-        );
+        let p = onceq::scaffold::new_project(dir, name, lang, sdk.as_deref())?;
+        println!("created {} ({} handler); next:", p.dir.display(), p.lang);
+        println!("  cd {}", p.dir.display());
+        for step in p.build {
+            println!("  {step}");
+        }
+        println!("  onceq check {}", p.component);
+        println!("  onceq init && onceq try {} --message message.json --queue {name}", p.component);
         return Ok(ExitCode::SUCCESS);
     }
     if let Command::Check { component } = &cli.command {
