@@ -541,6 +541,50 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
     }
 }
 
+/// The same payments handler in each guest language: size, load (compile,
+/// then from the on-disk cache after a restart), fresh instance + call, and
+/// the SQLite pipeline (1 worker).
+async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema>, calls: usize) {
+    let ln = env_usize("ONCEQ_BENCH_LANG_MESSAGES", 2_000);
+    let lang_calls = (calls / 10).max(200);
+    println!("\n| payments in | component | compile (cold) | load after a restart (cache) | dispatch median | dispatch p99 | pipeline, 1 worker ({ln} messages) |");
+    println!("|---|---|---|---|---|---|---|");
+    for (lang, path) in [
+        ("Rust", component.to_path_buf()),
+        ("Python (componentize-py)", root.join("guest-examples/target/python/payments.wasm")),
+        ("JavaScript (componentize-js)", root.join("guest-examples/target/js/payments.wasm")),
+    ] {
+        if !path.exists() {
+            println!("| {lang} | not built ({}) | | | | | |", path.display());
+            continue;
+        }
+        let size_mb = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
+        let cache = dir.join(format!("cache-{}", lang.len()));
+        let load = || {
+            let r = Runtime::new(RuntimeConfig {
+                cache_dir: Some(cache.clone()),
+                ..RuntimeConfig::default()
+            })
+            .unwrap();
+            let t = Instant::now();
+            let h = r.load_file(&path, HandlerLimits::default()).unwrap();
+            (t.elapsed().as_secs_f64() * 1000.0, h)
+        };
+        let (cold, _) = load();
+        let (warm, handler) = load();
+        let handler: Arc<dyn Handler> = Arc::new(handler);
+        let _ = dispatch(handler.as_ref(), schema.clone(), lang_calls / 10).await;
+        let (d50, d99) = dispatch(handler.as_ref(), schema.clone(), lang_calls).await;
+        let run = pipeline(dir, &format!("lang-{}.db", lang.len()), handler, ln, 1).await;
+        println!(
+            "| {lang} | {size_mb:.1} MB | {cold:.0} ms | {warm:.1} ms | {:.0} µs | {:.0} µs | {:.0} msg/s |",
+            d50 as f64 / 1000.0,
+            d99 as f64 / 1000.0,
+            run.msgs_per_s
+        );
+    }
+}
+
 fn main() {
     let n = env_usize("ONCEQ_BENCH_MESSAGES", 10_000);
     let calls = env_usize("ONCEQ_BENCH_CALLS", 20_000);
@@ -584,6 +628,10 @@ fn main() {
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("wasm") {
             let r = pipeline(dir.path(), "only.db", wasm.clone(), n, 1).await;
             println!("wasm pipeline: {:.0} messages/s", r.msgs_per_s);
+            return;
+        }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("languages") {
+            languages(&root, &component, dir.path(), schema.clone(), calls).await;
             return;
         }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("raw") {
@@ -668,6 +716,8 @@ fn main() {
             wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s
         );
         println!("| dispatch median | {:.1} µs | <= 10 µs |", w50 as f64 / 1000.0);
+
+        languages(&root, &component, dir.path(), schema.clone(), calls).await;
 
         if std::env::var("SPANNER_EMULATOR_HOST").is_ok() {
             // The emulator runs one read-write transaction at a time: keep it
