@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use onceq::protocol::{EffectLimits, Handler, HandlerFailure, QueueRunner, QueueSpec, ReadScope};
-use onceq::runtime::{DeployError, HandlerLimits};
+use onceq::runtime::{DeployError, HandlerLimits, Runtime, RuntimeConfig};
 use onceq::store::LeaseParams;
 use onceq::value::{Effect, Message, Value};
 use std::sync::Arc;
@@ -197,18 +197,29 @@ async fn environment_is_empty_and_each_message_gets_a_fresh_instance() {
     let h = wasm(&rt, "chaos", HandlerLimits::default());
     let (env, _) = call(&db, &h, &msg("m", &chaos("env")), &["chaos_log"]).await;
     assert!(format!("{:?}", env.unwrap()).contains("vars=[] args=[]"));
-    for i in 0..3 {
-        let (r, _) = call(&db, &h, &msg(&format!("s{i}"), &chaos("static")), &["chaos_log"]).await;
-        let effects = r.unwrap();
-        let Effect::Write(w) = &effects[0] else {
-            panic!("expected a write")
-        };
-        let n = &w.columns.iter().find(|(k, _)| k == "n").unwrap().1;
-        assert_eq!(
-            n,
-            &Value::Int64(1),
-            "a static counter starts at 1 in every call: no state leaks between messages"
-        );
+    // Both ways of resetting a finished instance's memory (dirty-page scan,
+    // the default, and wholesale: `runtime.reset_dirty_pages = false`).
+    let wholesale = Runtime::new(RuntimeConfig {
+        max_instances: 4,
+        reset_dirty_pages: false,
+        ..Default::default()
+    })
+    .unwrap();
+    let h2 = wasm(&wholesale, "chaos", HandlerLimits::default());
+    for h in [&h, &h2] {
+        for i in 0..3 {
+            let (r, _) = call(&db, h, &msg(&format!("s{i}"), &chaos("static")), &["chaos_log"]).await;
+            let effects = r.unwrap();
+            let Effect::Write(w) = &effects[0] else {
+                panic!("expected a write")
+            };
+            let n = &w.columns.iter().find(|(k, _)| k == "n").unwrap().1;
+            assert_eq!(
+                n,
+                &Value::Int64(1),
+                "a static counter starts at 1 in every call: no state leaks between messages"
+            );
+        }
     }
 }
 

@@ -547,15 +547,15 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
 async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema>, calls: usize) {
     let ln = env_usize("ONCEQ_BENCH_LANG_MESSAGES", 2_000);
     let lang_calls = (calls / 10).max(200);
-    println!("\n| payments in | component | compile (cold) | load after a restart (cache) | dispatch median | dispatch p99 | pipeline, 1 worker ({ln} messages) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("\n| payments in | component | compile (cold) | load after a restart (cache) | dispatch median | dispatch p99 | dispatch median, `reset_dirty_pages = false` | pipeline, 1 worker ({ln} messages) |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (lang, path) in [
         ("Rust", component.to_path_buf()),
         ("Python (componentize-py)", root.join("guest-examples/target/python/payments.wasm")),
         ("JavaScript (componentize-js)", root.join("guest-examples/target/js/payments.wasm")),
     ] {
         if !path.exists() {
-            println!("| {lang} | not built ({}) | | | | | |", path.display());
+            println!("| {lang} | not built ({}) | | | | | | |", path.display());
             continue;
         }
         let size_mb = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
@@ -572,14 +572,26 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
         };
         let (cold, _) = load();
         let (warm, handler) = load();
+        let memset = {
+            let r = Runtime::new(RuntimeConfig {
+                cache_dir: Some(cache.clone()),
+                reset_dirty_pages: false,
+                ..RuntimeConfig::default()
+            })
+            .unwrap();
+            let h = r.load_file(&path, HandlerLimits::default()).unwrap();
+            let _ = dispatch(&h, schema.clone(), lang_calls / 10).await;
+            dispatch(&h, schema.clone(), lang_calls).await.0
+        };
         let handler: Arc<dyn Handler> = Arc::new(handler);
         let _ = dispatch(handler.as_ref(), schema.clone(), lang_calls / 10).await;
         let (d50, d99) = dispatch(handler.as_ref(), schema.clone(), lang_calls).await;
         let run = pipeline(dir, &format!("lang-{}.db", lang.len()), handler, ln, 1).await;
         println!(
-            "| {lang} | {size_mb:.1} MB | {cold:.0} ms | {warm:.1} ms | {:.0} µs | {:.0} µs | {:.0} msg/s |",
+            "| {lang} | {size_mb:.1} MB | {cold:.0} ms | {warm:.1} ms | {:.1} µs | {:.1} µs | {:.1} µs | {:.0} msg/s |",
             d50 as f64 / 1000.0,
             d99 as f64 / 1000.0,
+            memset as f64 / 1000.0,
             run.msgs_per_s
         );
     }
@@ -597,7 +609,13 @@ fn main() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(async {
-        let runtime = Runtime::new(RuntimeConfig::default()).unwrap();
+        // ONCEQ_BENCH_RESET_DIRTY_PAGES=false: the main engine resets memory
+        // wholesale (`runtime.reset_dirty_pages = false`).
+        let runtime = Runtime::new(RuntimeConfig {
+            reset_dirty_pages: std::env::var("ONCEQ_BENCH_RESET_DIRTY_PAGES").as_deref() != Ok("false"),
+            ..RuntimeConfig::default()
+        })
+        .unwrap();
         let t = Instant::now();
         let wasm: Arc<dyn Handler> = Arc::new(runtime.load_file(&component, HandlerLimits::default()).unwrap());
         let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
@@ -630,6 +648,12 @@ fn main() {
             println!("wasm pipeline: {:.0} messages/s", r.msgs_per_s);
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("dispatch") {
+            let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await;
+            let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
+            println!("dispatch: median {:.1} µs, p99 {:.1} µs", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("languages") {
             languages(&root, &component, dir.path(), schema.clone(), calls).await;
             return;
@@ -642,6 +666,16 @@ fn main() {
         let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await; // warm up
         let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
         let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
+        // The same on an engine that resets memory wholesale instead of
+        // scanning for dirty pages (`runtime.reset_dirty_pages = false`).
+        let small = Runtime::new(RuntimeConfig {
+            reset_dirty_pages: false,
+            ..RuntimeConfig::default()
+        })
+        .unwrap();
+        let small_wasm = small.load_file(&component, HandlerLimits::default()).unwrap();
+        let _ = dispatch(&small_wasm, schema.clone(), calls / 10).await;
+        let (s50, s99) = dispatch(&small_wasm, schema.clone(), calls).await;
 
         // Interleave the configurations over a few rounds and keep each
         // one's best: on a noisy 2-core VM the disk and the neighbours drift.
@@ -676,6 +710,11 @@ fn main() {
         println!("| dispatch (fresh instance + handle, reads from memory) | median | p99 |");
         println!("|---|---|---|");
         println!("| Wasm payments | {:.1} µs | {:.1} µs |", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
+        println!(
+            "| Wasm payments, `runtime.reset_dirty_pages = false` | {:.1} µs | {:.1} µs |",
+            s50 as f64 / 1000.0,
+            s99 as f64 / 1000.0
+        );
         println!(
             "| native payments | {:.1} µs | {:.1} µs |\n",
             n50 as f64 / 1000.0,
@@ -716,6 +755,10 @@ fn main() {
             wasm1.msgs_per_s.max(wasm4.msgs_per_s) / raw.msgs_per_s
         );
         println!("| dispatch median | {:.1} µs | <= 10 µs |", w50 as f64 / 1000.0);
+        println!(
+            "| dispatch median, `runtime.reset_dirty_pages = false` | {:.1} µs | <= 10 µs |",
+            s50 as f64 / 1000.0
+        );
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
 

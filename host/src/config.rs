@@ -40,6 +40,7 @@ struct RawRuntime {
     max_instances: Option<u32>,
     max_memory: Option<String>,
     cache: Option<bool>,
+    reset_dirty_pages: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -330,6 +331,9 @@ impl Config {
         if let Some(m) = &raw.runtime.max_memory {
             runtime.max_memory = parse_size("runtime.max_memory", m)?;
         }
+        if let Some(b) = raw.runtime.reset_dirty_pages {
+            runtime.reset_dirty_pages = b;
+        }
         let state_dir = resolve(base, raw.state_dir.as_deref().unwrap_or(Path::new(".onceq")));
         if raw.runtime.cache.unwrap_or(true) {
             runtime.cache_dir = Some(state_dir.join("cache"));
@@ -568,6 +572,9 @@ mod tests {
             (7, Duration::from_millis(250), 16 << 20)
         );
         assert!(cfg.queue("c").unwrap_err().to_string().contains("queues: a, b"));
+        assert!(cfg.runtime.reset_dirty_pages, "dirty-page reset by default");
+        let small = Config::parse("store = \"x.db\"\n[runtime]\nreset_dirty_pages = false\n", Path::new("/base")).unwrap();
+        assert!(!small.runtime.reset_dirty_pages);
     }
 
     #[test]

@@ -103,6 +103,7 @@ pub fn runtime_cached() -> Runtime {
         max_instances: 64,
         max_memory: 64 << 20,
         cache_dir: Some(repo_root().join("target/onceq-test-cache")),
+        ..Default::default()
     })
     .expect("runtime")
 }
