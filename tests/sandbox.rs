@@ -302,3 +302,39 @@ async fn a_trap_does_not_disturb_other_messages_on_the_same_worker() {
     assert_eq!(db.count("SELECT COUNT(*) FROM chaos_log WHERE note = 'ok'"), 3);
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_dead_letters"), 3);
 }
+
+#[test]
+fn compiled_components_are_cached_and_a_bad_entry_is_recompiled() {
+    let dir = tempfile::tempdir().unwrap();
+    let cached_runtime = || {
+        Runtime::new(RuntimeConfig {
+            max_instances: 4,
+            cache_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let entries = || -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+            .collect();
+        v.sort();
+        v
+    };
+    let first = wasm(&cached_runtime(), "payments", HandlerLimits::default());
+    let stored = entries();
+    assert_eq!(stored.len(), 1, "one compiled entry");
+    let size = std::fs::metadata(&stored[0]).unwrap().len();
+    // A restart (a new engine) loads the entry: same version, no new entry.
+    let again = wasm(&cached_runtime(), "payments", HandlerLimits::default());
+    assert_eq!(again.version(), first.version());
+    assert_eq!(entries(), stored);
+    // A damaged entry is refused, removed and replaced by a fresh compile.
+    std::fs::write(&stored[0], b"not wasmtime code").unwrap();
+    let healed = wasm(&cached_runtime(), "payments", HandlerLimits::default());
+    assert_eq!(healed.version(), first.version());
+    assert_eq!(entries(), stored);
+    assert_eq!(std::fs::metadata(&stored[0]).unwrap().len(), size, "rewritten whole");
+}

@@ -12,6 +12,7 @@
 //!   on the effects. A trap, a deadline, a memory-limit hit or `exit` is a
 //!   [`HandlerFailure::Failed`] with a reason — never a host crash.
 
+pub mod cache;
 pub mod wasi;
 
 use crate::protocol::{HandleOutput, Handler, HandlerFailure, ReadScope};
@@ -46,9 +47,9 @@ pub struct RuntimeConfig {
     /// Largest linear memory any handler may be given.
     pub max_memory: usize,
     /// Where compiled components are cached (wasmtime's serialized form,
-    /// keyed by the component's bytes and the engine's settings), so a
-    /// restart or a redeploy of known bytes does not recompile. `None`: no
-    /// cache.
+    /// keyed by the component's SHA-256 and the engine's settings; see
+    /// [`cache`]), so a restart or a redeploy of known bytes does not
+    /// recompile. `None`: no cache.
     pub cache_dir: Option<std::path::PathBuf>,
     /// How a finished instance's memory is made fresh for the next one.
     /// `true` (default): find the pages it dirtied (Linux's PAGEMAP_SCAN,
@@ -137,6 +138,7 @@ pub struct Runtime {
     engine: Engine,
     linker: Arc<Linker<HostState>>,
     config: RuntimeConfig,
+    cache: Option<cache::CodeCache>,
     _ticker: EpochTicker,
 }
 
@@ -167,17 +169,11 @@ impl Runtime {
         cfg.wasm_component_model(true)
             .epoch_interruption(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        if let Some(dir) = &config.cache_dir {
-            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("creating the compiled-component cache {}: {e}", dir.display()))?;
-            // wasmtime wants an absolute path.
-            let dir = std::path::absolute(dir).map_err(|e| anyhow::anyhow!("compiled-component cache {}: {e}", dir.display()))?;
-            let mut cc = wasmtime::CacheConfig::new();
-            cc.with_directory(&dir);
-            let cache =
-                wasmtime::Cache::new(cc).map_err(|e| anyhow::anyhow!("opening the compiled-component cache {}: {e}", dir.display()))?;
-            cfg.cache(Some(cache));
-        }
         let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("creating the wasmtime engine: {e}"))?;
+        let cache = match &config.cache_dir {
+            Some(dir) => Some(cache::CodeCache::open(dir, &engine)?),
+            None => None,
+        };
         let mut linker = Linker::<HostState>::new(&engine);
         bindings::QueueHandler::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)
             .map_err(|e| anyhow::anyhow!("linking onceq:handler: {e}"))?;
@@ -200,6 +196,7 @@ impl Runtime {
             engine,
             linker: Arc::new(linker),
             config,
+            cache,
             _ticker: EpochTicker { stop },
         })
     }
@@ -212,11 +209,16 @@ impl Runtime {
         if bytes[4..8] == [1, 0, 0, 0] {
             return Err(DeployError::CoreModule);
         }
-        let component = Component::new(&self.engine, bytes).map_err(|e| DeployError::Invalid(format!("{e:#}")))?;
+        let digest = sha2::Sha256::digest(bytes);
+        let component = match &self.cache {
+            Some(cache) => cache.component(&self.engine, bytes, &digest),
+            None => Component::new(&self.engine, bytes),
+        }
+        .map_err(|e| DeployError::Invalid(format!("{e:#}")))?;
         let ty = component.component_type();
         let imports: Vec<String> = ty.imports(&self.engine).map(|(n, _)| n.to_string()).collect();
         let exports: Vec<String> = ty.exports(&self.engine).map(|(n, _)| n.to_string()).collect();
-        let version = hex16(&sha2::Sha256::digest(bytes));
+        let version = hex16(&digest);
         Ok((
             component,
             ComponentInfo {
