@@ -124,6 +124,44 @@ async fn spanner_payments_exactly_once_under_unknown_commit_outcomes() {
     );
 }
 
+/// The production mode for real Spanner: one shared client (multiplexed
+/// sessions there) instead of a client checked out per transaction. The
+/// emulator runs one transaction at a time on a shared client, so one
+/// worker; unknown outcomes still resolve to exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_shared_client_mode_processes_payments_exactly_once() {
+    let (base, _) = spanner_db(
+        PAYMENTS_SPANNER_SQL,
+        StoreOptions {
+            spanner_exclusive_clients: Some(false),
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    seed_accounts(base.as_ref(), ACCOUNTS, BALANCE).await;
+    let n = 40;
+    send_orders(base.as_ref(), n, ACCOUNTS).await;
+    let (faulty, counts) = FaultyStore::new(
+        base.clone(),
+        FaultPlan {
+            after_commit: 0.15,
+            before_commit: 0.1,
+            seed: 5,
+            ..Default::default()
+        },
+    );
+    let store: Arc<dyn Store> = Arc::new(faulty);
+    let rt = runtime();
+    let r = payments_runner(&store, &rt, policy(1, 5));
+    drain(&store, std::slice::from_ref(&r)).await;
+    assert!(counts.after_commit.load(Relaxed) > 0, "faults injected");
+    check_payments_exactly_once(base.as_ref(), n, ACCOUNTS, BALANCE).await;
+    assert_eq!(
+        r.metrics.processed.load(Relaxed) + r.metrics.already_committed.load(Relaxed),
+        n as u64
+    );
+}
+
 /// Three `onceq run` processes (each its own client pool) on one emulator
 /// database drain 1,000 messages: none lost, none processed twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
