@@ -212,6 +212,8 @@ fn the_python_and_javascript_payments_ports_behave_like_the_rust_one() {
         r#"{"order_id": "o-5", "account": "acct-1"}"#,
         r#"{"order_id": "o-6", "account": "acct-1", "amount": 100}"#,
         "{",
+        "5",
+        "null",
     ];
     ports_behave_like_rust(&kit, "payments", &payments_db(), &cases);
 }
@@ -228,6 +230,7 @@ fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
         r#"{"order_id": "o-4", "sku": "sku-1", "qty": 0}"#,
         r#"{"order_id": "o-5", "qty": 1}"#,
         "not json",
+        "null",
     ];
     ports_behave_like_rust(&kit, "inventory", &db, &cases);
 }

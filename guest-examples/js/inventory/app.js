@@ -10,6 +10,7 @@ import { defineHandler, reject } from '../onceq-guest.js';
 
 export const handler = defineHandler((ctx, msg) => {
   const req = msg.json();
+  if (typeof req !== 'object' || req === null || Array.isArray(req)) reject('malformed payload: expected an object');
   for (const field of ['order_id', 'sku', 'qty']) {
     if (!(field in req)) reject(`malformed payload: missing field \`${field}\``);
   }

@@ -8,6 +8,7 @@ import { Timestamp, defineHandler, reject } from '../onceq-guest.js';
 
 export const handler = defineHandler((ctx, msg) => {
   const order = msg.json();
+  if (typeof order !== 'object' || order === null || Array.isArray(order)) reject('malformed payload: expected an object');
   for (const field of ['order_id', 'account', 'amount']) {
     if (!(field in order)) reject(`malformed payload: missing field \`${field}\``);
   }

@@ -12,6 +12,8 @@ from onceq_guest import export, reject
 
 def handle(ctx, msg):
     req = msg.json()
+    if not isinstance(req, dict):
+        reject("malformed payload: expected an object")
     try:
         order_id, sku, qty = req["order_id"], req["sku"], req["qty"]
     except KeyError as e:

@@ -10,6 +10,8 @@ from onceq_guest import Timestamp, export, reject
 
 def handle(ctx, msg):
     order = msg.json()
+    if not isinstance(order, dict):
+        reject("malformed payload: expected an object")
     try:
         order_id, account, amount = order["order_id"], order["account"], order["amount"]
     except KeyError as e:
