@@ -40,10 +40,16 @@ guests: tools
 guests-python: $(PY_GUESTS:%=$(PY_OUT)/%.wasm)
 
 ## guests-js: componentize-js (pinned in guest-examples/js/package-lock.json,
-## installed there by npm ci) builds the JavaScript examples. Only the
+## installed there by npm ci, with TypeScript for the type check) builds the
+## JavaScript examples. Only the
 ## deterministic WASI stays imported (clocks, random, stderr): stdio (which
 ## brings the filesystem) and http are disabled.
-guests-js: $(JS_GUESTS:%=$(JS_OUT)/%.wasm)
+guests-js: $(JS_OUT)/.typechecked $(JS_GUESTS:%=$(JS_OUT)/%.wasm)
+
+# The examples type-check against the SDK's declarations (onceq-guest.d.ts).
+$(JS_OUT)/.typechecked: $(JS_DIR)/tsconfig.json $(JS_DIR)/onceq-guest.d.ts $(JS_DIR)/payments/app.js $(JS_DIR)/inventory/app.js | $(COMPONENTIZE_JS)
+	cd $(JS_DIR) && node_modules/.bin/tsc -p tsconfig.json
+	@mkdir -p $(JS_OUT) && touch $@
 
 $(COMPONENTIZE_JS): $(JS_DIR)/package.json $(JS_DIR)/package-lock.json
 	cd $(JS_DIR) && $(NPM) ci --no-audit --no-fund --loglevel=error

@@ -419,6 +419,7 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_checks_and_counts() {
     };
     assert_eq!(pinned(&project), pinned(&tools), "the scaffold pins the builder the examples use");
     std::os::unix::fs::symlink(tools.join("node_modules"), project.join("node_modules")).unwrap();
+    run_ok(Command::new("npm").current_dir(&project).args(["run", "check"]));
     run_ok(Command::new("npm").current_dir(&project).args(["run", "build"]));
     scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
 }

@@ -19,6 +19,22 @@ pub const LANGUAGES: &[&str] = &["rust", "js", "python"];
 /// The one WIT, as the host reads it.
 const WIT: &str = include_str!("../../wit/handler.wit");
 const JS_SDK: &str = include_str!("../../guest-examples/js/onceq-guest.js");
+const JS_SDK_TYPES: &str = include_str!("../../guest-examples/js/onceq-guest.d.ts");
+const JS_TSCONFIG: &str = r#"{
+  "compilerOptions": {
+    "allowJs": true,
+    "checkJs": true,
+    "noEmit": true,
+    "strict": true,
+    "target": "es2022",
+    "module": "es2022",
+    "moduleResolution": "bundler",
+    "lib": ["es2022"],
+    "types": []
+  },
+  "files": ["src/app.js"]
+}
+"#;
 const PY_SDK: &str = include_str!("../../guest-examples/python/onceq_guest.py");
 
 /// A language's project: what `onceq new` wrote, and how to build it.
@@ -160,12 +176,14 @@ const JS_PACKAGE: &str = r#"{
   "private": true,
   "type": "module",
   "scripts": {
+    "check": "tsc -p tsconfig.json",
     "build": "mkdir -p build && componentize-js src/app.js --wit wit -n queue-handler -d stdio http fetch-event -o build/{file}.wasm"
   },
   "devDependencies": {
     "@bytecodealliance/componentize-js": "0.23.0",
     "@bytecodealliance/jco": "1.35.0",
-    "@bytecodealliance/preview2-shim": "0.25.0"
+    "@bytecodealliance/preview2-shim": "0.25.0",
+    "typescript": "7.0.2"
   }
 }
 "#;
@@ -254,6 +272,8 @@ Then, with `onceq run` serving, ship a new version without a restart:
 
 `src/{sdk}` is the onceq SDK (reads, writes, enqueue, intents, reject and
 retry); `wit/handler.wit` is the contract the component is built against.
+(JavaScript: `npm run check` type-checks `src/app.js` against the SDK's
+declarations, `src/onceq-guest.d.ts`.)
 The handler's clock and randomness are the message's: {clock}
 A re-run of the same message gives the same effects.
 
@@ -291,17 +311,19 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
         "rust" => rust_files(name, &file, sdk)?,
         "js" => {
             let component = format!("build/{file}.wasm");
-            let build: &'static [&'static str] = &["npm install", "npm run build"];
+            let build: &'static [&'static str] = &["npm install", "npm run check", "npm run build"];
             let files = vec![
                 ("package.json", render(JS_PACKAGE, name, &file, "")),
                 ("src/app.js", render(JS_APP, name, &file, "")),
                 ("src/onceq-guest.js", JS_SDK.to_string()),
+                ("src/onceq-guest.d.ts", JS_SDK_TYPES.to_string()),
+                ("tsconfig.json", JS_TSCONFIG.to_string()),
                 (
                     "README.md",
                     other_readme(
                         name,
                         "JavaScript",
-                        "npm install && npm run build",
+                        "npm install && npm run check && npm run build",
                         &component,
                         "onceq-guest.js",
                         "`Date.now()` is its logical time, and `Math.random()` and `crypto.getRandomValues()` are seeded from its id.",
