@@ -11,7 +11,7 @@ PY_TOOLS     := tools/python
 COMPONENTIZE_PY_VERSION := 0.25.1
 COMPONENTIZE_PY := $(PY_TOOLS)/bin/componentize-py
 PY_OUT       := $(GUEST_DIR)/target/python
-PY_GUESTS    := payments inventory
+PY_GUESTS    := payments inventory fixtures/clock
 NPM          ?= npm
 JS_DIR       := $(GUEST_DIR)/js
 COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
@@ -64,7 +64,7 @@ $(COMPONENTIZE_PY):
 	$(PY_TOOLS)/bin/pip install --quiet componentize-py==$(COMPONENTIZE_PY_VERSION)
 
 $(PY_OUT)/%.wasm: $(GUEST_DIR)/python/%/app.py $(GUEST_DIR)/python/onceq_guest.py wit/handler.wit | $(COMPONENTIZE_PY)
-	@mkdir -p $(PY_OUT)
+	@mkdir -p $(dir $@)
 	$(COMPONENTIZE_PY) -d wit -w queue-handler componentize app \
 		-p $(GUEST_DIR)/python/$* -p $(GUEST_DIR)/python --stub-wasi -o $@
 

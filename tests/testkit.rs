@@ -235,14 +235,16 @@ fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
     ports_behave_like_rust(&kit, "inventory", &db, &cases);
 }
 
-#[test]
-fn javascript_clock_random_and_console_are_the_message_s_and_bugs_name_themselves() {
+/// The ordinary clock and randomness APIs of a language, through its SDK
+/// and build: the message's logical time, randomness seeded per message;
+/// an uncaught exception is a retry whose reason names it.
+fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     let kit = cached_kit();
-    let js = kit.load(port("js", "fixtures/clock")).unwrap();
+    let component = kit.load(port(lang, "fixtures/clock")).unwrap();
     let db = Fixture::from_ddl("CREATE TABLE clock (id TEXT PRIMARY KEY, seen TEXT NOT NULL);").unwrap();
-    let effects = |msg: &onceq_testkit::Message| {
-        let r = kit.run(&js, &db, msg);
-        assert!(r.is_ok(), "{r:?}");
+    let seen = |msg: &onceq_testkit::Message| {
+        let r = kit.run(&component, &db, msg);
+        assert!(r.is_ok(), "{lang}: {r:?}");
         let w = r.writes().next().unwrap().clone();
         let seen = match column(&w, "seen") {
             Some(Value::String(s)) => s.clone(),
@@ -251,20 +253,31 @@ fn javascript_clock_random_and_console_are_the_message_s_and_bugs_name_themselve
         serde_json::from_str::<serde_json::Value>(&seen).unwrap()
     };
     let msg = kit.message("clock", "{}");
-    let first = effects(&msg);
-    // Date.now() is the message's logical time, in milliseconds.
-    assert_eq!(first["now"].as_i64(), Some(onceq_testkit::TEST_TIME / 1000));
-    // Math.random() and crypto.getRandomValues() are seeded per message:
-    // the same message gives the same numbers, another message others.
-    assert_eq!(effects(&msg), first, "a re-run sees the same clock and randomness");
+    let first = seen(&msg);
+    // The wall clock is the message's logical time, in milliseconds.
+    assert_eq!(first["now"].as_i64(), Some(onceq_testkit::TEST_TIME / 1000), "{lang}: {first}");
+    // The same message gives the same numbers; another message others.
+    assert_eq!(seen(&msg), first, "{lang}: a re-run sees the same clock and randomness");
     let mut other = kit.message("clock", "{}");
     other.id = "m-2".into();
-    let second = effects(&other);
-    assert_ne!(second["random"], first["random"]);
-    assert_ne!(second["crypto"], first["crypto"]);
-    // An uncaught exception is a retry whose reason names it.
-    let bug = kit.run(&js, &db, &kit.message("clock", r#"{"throw": true}"#));
-    assert_eq!(bug.outcome, "retry", "{bug:?}");
-    let reason = bug.reason.unwrap();
-    assert!(reason.contains("uncaught TypeError"), "{reason}");
+    let second = seen(&other);
+    for key in ["random", "crypto"] {
+        assert_ne!(second[key], first[key], "{lang}: {key} is seeded per message");
+    }
+    let failed = kit.run(&component, &db, &kit.message("clock", r#"{"throw": true}"#));
+    assert_eq!(failed.outcome, "retry", "{lang}: {failed:?}");
+    let reason = failed.reason.unwrap();
+    assert!(reason.contains(&format!("uncaught {bug}")), "{lang}: {reason}");
+}
+
+#[test]
+fn javascript_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
+    // Date.now(), Math.random(), crypto.getRandomValues(); a TypeError.
+    clock_and_randomness_are_the_message_s("js", "TypeError");
+}
+
+#[test]
+fn python_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
+    // time.time(), random.random(), os.urandom() (and uuid4); a KeyError.
+    clock_and_randomness_are_the_message_s("python", "KeyError: 'missing'");
 }

@@ -16,10 +16,21 @@ transaction, or none of them. Export it with `export(handler)`:
 
 Build with `componentize-py -d wit -w queue-handler componentize app
 --stub-wasi -o app.wasm` (see the Makefile's `guests-python`).
+
+Determinism: `--stub-wasi` leaves the component no clock and no entropy
+(calling them would trap), so this module gives ordinary code the
+message's own: during a call, `time.time()` / `time.time_ns()` read the
+message's logical time, `time.monotonic()` / `perf_counter()` stand still,
+and the `random` module and `os.urandom()` (hence `uuid.uuid4()`) are
+seeded from the message id. A re-run of the same message sees the same
+values. (`datetime.now()` reads the C clock directly and traps: use
+`datetime.fromtimestamp(time.time(), timezone.utc)`.)
 """
 
 import json
-import traceback
+import os as _os
+import random as _random
+import time as _time
 
 from componentize_py_types import Err
 from wit_world import exports
@@ -144,12 +155,57 @@ class Ctx:
         _log.log(level, message)
 
 
+_now_us = 0
+
+
+def _time_time():
+    return _now_us / 1_000_000
+
+
+def _time_time_ns():
+    return _now_us * 1000
+
+
+def _still():
+    return 0.0
+
+
+def _still_ns():
+    return 0
+
+
+def _urandom(n):
+    return _random.randbytes(n)
+
+
+_time.time = _time_time
+_time.time_ns = _time_time_ns
+_time.monotonic = _time.perf_counter = _still
+_time.monotonic_ns = _time.perf_counter_ns = _still_ns
+_os.urandom = _urandom
+
+
+def _describe(e):
+    """The exception and its frames, without reading source files (there
+    is no filesystem)."""
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append(f"  {code.co_filename}:{tb.tb_lineno} in {code.co_name}")
+        tb = tb.tb_next
+    return "\n".join([f"{type(e).__name__}: {e}"] + frames)
+
+
 def export(handle):
     """The component's export class for a handler function. An exception
     other than `Reject`/`Retry` is a retry whose reason names it."""
 
     class Handler(exports.Handler):
         def handle(self, m):
+            global _now_us
+            _now_us = m.now
+            _random.seed(m.seed)
             ctx = Ctx()
             try:
                 handle(ctx, Message(m))
@@ -161,8 +217,7 @@ def export(handle):
                 # A bug: retried (counts as an attempt) with a reason naming
                 # it, so it shows in the dead letter after max_attempts
                 # instead of as a bare trap.
-                trace = "".join(traceback.format_exception(e))
-                raise Err(t.HandlerError_Retry(t.RetryLater(f"uncaught {trace}", None)))
+                raise Err(t.HandlerError_Retry(t.RetryLater(f"uncaught {_describe(e)}", None)))
             return ctx.effects
 
     return Handler
