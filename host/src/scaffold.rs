@@ -348,7 +348,7 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
                         "make",
                         &component,
                         "onceq_guest.py",
-                        "`msg.now` is its logical time (the component is built with `--stub-wasi`: there is no other clock or entropy).",
+                        "`msg.now` and `time.time()` are its logical time, and `random`, `os.urandom()` and `uuid.uuid4()` are seeded from its id (the SDK provides them: the component is built with `--stub-wasi`, without WASI clocks or entropy).",
                     ),
                 ),
             ];
