@@ -11,12 +11,12 @@ PY_TOOLS     := tools/python
 COMPONENTIZE_PY_VERSION := 0.25.1
 COMPONENTIZE_PY := $(PY_TOOLS)/bin/componentize-py
 PY_OUT       := $(GUEST_DIR)/target/python
-PY_GUESTS    := payments inventory fixtures/clock
+PY_GUESTS    := payments inventory fixtures/sdk
 NPM          ?= npm
 JS_DIR       := $(GUEST_DIR)/js
 COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
 JS_OUT       := $(GUEST_DIR)/target/js
-JS_GUESTS    := payments inventory fixtures/clock
+JS_GUESTS    := payments inventory fixtures/sdk
 
 .PHONY: all tools guests guests-python guests-js build run run-spanner test bench lint fmt clean emulator
 

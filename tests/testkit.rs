@@ -240,7 +240,7 @@ fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
 /// an uncaught exception is a retry whose reason names it.
 fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     let kit = cached_kit();
-    let component = kit.load(port(lang, "fixtures/clock")).unwrap();
+    let component = kit.load(port(lang, "fixtures/sdk")).unwrap();
     let db = Fixture::from_ddl("CREATE TABLE clock (id TEXT PRIMARY KEY, seen TEXT NOT NULL);").unwrap();
     let seen = |msg: &onceq_testkit::Message| {
         let r = kit.run(&component, &db, msg);
@@ -280,4 +280,57 @@ fn javascript_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() 
 fn python_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
     // time.time(), random.random(), os.urandom() (and uuid4); a KeyError.
     clock_and_randomness_are_the_message_s("python", "KeyError: 'missing'");
+}
+
+/// Every SDK call, in JavaScript and Python: the same effects, byte for
+/// byte, and the ones the fixture asked for (names, types, options).
+#[test]
+fn the_javascript_and_python_sdks_emit_every_effect_alike() {
+    let kit = cached_kit().queues(&["next"]).connectors(&["hook"]);
+    let mut db = Fixture::from_ddl(
+        "CREATE TABLE clock (id TEXT PRIMARY KEY, seen TEXT NOT NULL);
+         CREATE TABLE kv (k TEXT NOT NULL, n INTEGER NOT NULL, f REAL, j JSON, b BLOB, t TIMESTAMP, flag BOOLEAN, note TEXT, PRIMARY KEY (k, n));",
+    )
+    .unwrap();
+    for (k, n) in [("a", 1), ("a", 2), ("b", 1)] {
+        db.insert("kv", [("k", s(k)), ("n", Value::Int64(n))]).unwrap();
+    }
+    let msg = kit.message("sdk", r#"{"sdk": true}"#);
+    let mut reports = Vec::new();
+    for lang in ["js", "python"] {
+        let r = kit.run(&kit.load(port(lang, "fixtures/sdk")).unwrap(), &db, &msg);
+        assert!(r.is_ok(), "{lang}: {r:?}");
+        reports.push(r);
+    }
+    let (js, py) = (&reports[0], &reports[1]);
+    assert_eq!(
+        serde_json::to_value(&js.effects).unwrap(),
+        serde_json::to_value(&py.effects).unwrap(),
+        "same effects from both SDKs"
+    );
+    let writes: Vec<_> = js.writes().collect();
+    let up = writes.iter().find(|w| w.op == WriteOp::Upsert).unwrap();
+    assert_eq!(column(up, "n"), Some(&Value::Int64(2)), "scan by prefix saw the two `a` rows");
+    assert_eq!(column(up, "f"), Some(&Value::Float64(3.0)));
+    assert_eq!(column(up, "j"), Some(&Value::Json(r#"{"a":[1,2],"z":1}"#.into())));
+    assert_eq!(column(up, "b"), Some(&Value::Bytes(vec![1, 2, 3])));
+    assert_eq!(column(up, "t"), Some(&Value::Timestamp(onceq_testkit::TEST_TIME)));
+    assert_eq!(column(up, "flag"), Some(&Value::Bool(true)));
+    assert_eq!(column(up, "note"), Some(&Value::Null));
+    let del = writes.iter().find(|w| w.op == WriteOp::Delete).unwrap();
+    assert_eq!((del.table.as_str(), column(del, "k")), ("kv", Some(&s("b"))));
+    let next: Vec<_> = js.enqueued().collect();
+    assert_eq!(next.len(), 1);
+    assert_eq!(
+        (next[0].queue.as_str(), next[0].delay_ms, next[0].dedup_key.as_deref()),
+        ("next", Some(250), Some("d-1"))
+    );
+    assert_eq!(next[0].attributes, vec![("x".to_string(), "y".to_string())]);
+    assert_eq!(next[0].payload, br#"{"a":1,"b":2}"#.to_vec(), "sorted, compact JSON");
+    let hook: Vec<_> = js.intents().collect();
+    assert_eq!(
+        (hook[0].connector.as_str(), hook[0].idempotency_key.as_str(), hook[0].payload.as_slice()),
+        ("hook", "key-1", br#"{"k":"v"}"#.as_slice())
+    );
+    assert_eq!(hook[0].metadata, vec![("m".to_string(), "n".to_string())]);
 }

@@ -56,7 +56,8 @@ def reject(reason):
 
 
 def value(v):
-    """A Python value as a WIT value (None, bool, int, float, str, bytes)."""
+    """A Python value as a WIT value (None, bool, int, float, str, bytes,
+    Timestamp, Json)."""
     if v is None:
         return t.Value_Null()
     if isinstance(v, bool):
@@ -71,7 +72,26 @@ def value(v):
         return t.Value_Bytes(bytes(v))
     if isinstance(v, Timestamp):
         return t.Value_Timestamp(v.micros)
-    raise TypeError(f"cannot store a {type(v).__name__}")
+    if isinstance(v, Json):
+        return t.Value_Json(_json_bytes(v.value).decode())
+    raise TypeError(f"cannot store a {type(v).__name__}; wrap JSON in Json(...)")
+
+
+class Json:
+    """A JSON column value: any JSON-serialisable value."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _json_bytes(v):
+    """Compact JSON with sorted keys: the same bytes as the Rust and
+    JavaScript SDKs write."""
+    return json.dumps(v, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _pairs(d):
+    return list(d.items()) if isinstance(d, dict) else list(d)
 
 
 class Timestamp:
@@ -139,8 +159,10 @@ class Ctx:
         self._write(table, t.WriteOp.DELETE, key)
 
     def enqueue(self, queue, payload, delay_ms=None, dedup_key=None, attributes=()):
-        data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        self.effects.append(t.Effect_Enqueue(t.FollowUp(queue, data, list(attributes), delay_ms, dedup_key)))
+        """A follow-up message (JSON payload), enqueued with the ack;
+        `attributes` a dict or (name, value) pairs."""
+        follow_up = t.FollowUp(queue, _json_bytes(payload), _pairs(attributes), delay_ms, dedup_key)
+        self.effects.append(t.Effect_Enqueue(follow_up))
 
     def reschedule(self, msg, delay_ms, state):
         """Ack now and continue later: `state` on this queue after delay_ms."""
@@ -148,12 +170,23 @@ class Ctx:
 
     def intent(self, connector, key, payload, metadata=()):
         """An external side effect, delivered after commit with `key`."""
-        data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-        self.effects.append(t.Effect_Intent(t.ExternalIntent(connector, key, data, list(metadata))))
+        intent = t.ExternalIntent(connector, key, _json_bytes(payload), _pairs(metadata))
+        self.effects.append(t.Effect_Intent(intent))
 
-    def log(self, message, level=_log.Level.INFO):
-        _log.log(level, message)
+    def log(self, message, level="info"):
+        """A line in the message's log; level: trace, debug, info, warn, error."""
+        if isinstance(level, str):
+            level = _LEVELS.get(level, _log.Level.INFO)
+        _log.log(level, str(message))
 
+
+_LEVELS = {
+    "trace": _log.Level.TRACE,
+    "debug": _log.Level.DEBUG,
+    "info": _log.Level.INFO,
+    "warn": _log.Level.WARN,
+    "error": _log.Level.ERROR,
+}
 
 _now_us = 0
 
