@@ -74,6 +74,8 @@ export class Message {
   text(): string;
   /** The payload parsed as JSON; a malformed payload rejects the message. */
   json(): any;
+  /** The named fields of a JSON-object payload, in order; a missing one rejects the message. */
+  fields(...names: string[]): any[];
 }
 
 export interface EnqueueOptions {

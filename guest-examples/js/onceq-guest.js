@@ -149,6 +149,22 @@ export class Message {
       throw new Reject(`malformed payload: ${e.message}`);
     }
   }
+
+  /**
+   * The named fields of a JSON-object payload, in order; a payload that is
+   * not an object, or lacks one of them, rejects the message (as a Rust
+   * handler's typed payload does).
+   */
+  fields(...names) {
+    const v = this.json();
+    if (typeof v !== 'object' || v === null || Array.isArray(v)) {
+      throw new Reject('malformed payload: expected an object');
+    }
+    return names.map((name) => {
+      if (!(name in v)) throw new Reject(`malformed payload: missing field \`${name}\``);
+      return v[name];
+    });
+  }
 }
 
 function hostError(e) {

@@ -122,6 +122,18 @@ class Message:
         except Exception as e:
             raise Reject(f"malformed payload: {e}")
 
+    def fields(self, *names):
+        """The named fields of a JSON-object payload, in order; a payload
+        that is not an object, or lacks one of them, rejects the message
+        (as a Rust handler's typed payload does)."""
+        v = self.json()
+        if not isinstance(v, dict):
+            raise Reject("malformed payload: expected an object")
+        missing = [n for n in names if n not in v]
+        if missing:
+            raise Reject(f"malformed payload: missing field `{missing[0]}`")
+        return [v[n] for n in names]
+
 
 class Ctx:
     def __init__(self):

@@ -9,12 +9,7 @@
 import { defineHandler, reject } from '../onceq-guest.js';
 
 export const handler = defineHandler((ctx, msg) => {
-  const req = msg.json();
-  if (typeof req !== 'object' || req === null || Array.isArray(req)) reject('malformed payload: expected an object');
-  for (const field of ['order_id', 'sku', 'qty']) {
-    if (!(field in req)) reject(`malformed payload: missing field \`${field}\``);
-  }
-  const { order_id: orderId, sku, qty } = req;
+  const [orderId, sku, qty] = msg.fields('order_id', 'sku', 'qty');
   if (!Number.isInteger(qty) || qty <= 0) reject(`order ${orderId}: qty must be positive, got ${qty}`);
   const item = ctx.get('items', [sku]);
   if (item === null) reject(`order ${orderId}: unknown item ${sku}`);

@@ -7,12 +7,7 @@
 import { Timestamp, defineHandler, reject } from '../onceq-guest.js';
 
 export const handler = defineHandler((ctx, msg) => {
-  const order = msg.json();
-  if (typeof order !== 'object' || order === null || Array.isArray(order)) reject('malformed payload: expected an object');
-  for (const field of ['order_id', 'account', 'amount']) {
-    if (!(field in order)) reject(`malformed payload: missing field \`${field}\``);
-  }
-  const { order_id: orderId, account, amount } = order;
+  const [orderId, account, amount] = msg.fields('order_id', 'account', 'amount');
   if (!Number.isInteger(amount) || amount <= 0) {
     reject(`order ${orderId}: amount must be positive, got ${amount}`);
   }

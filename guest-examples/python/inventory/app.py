@@ -11,13 +11,7 @@ from onceq_guest import export, reject
 
 
 def handle(ctx, msg):
-    req = msg.json()
-    if not isinstance(req, dict):
-        reject("malformed payload: expected an object")
-    try:
-        order_id, sku, qty = req["order_id"], req["sku"], req["qty"]
-    except KeyError as e:
-        reject(f"malformed payload: missing field `{e.args[0]}`")
+    order_id, sku, qty = msg.fields("order_id", "sku", "qty")
     if not isinstance(qty, int) or qty <= 0:
         reject(f"order {order_id}: qty must be positive, got {qty}")
     item = ctx.get("items", [sku])

@@ -9,13 +9,7 @@ from onceq_guest import Timestamp, export, reject
 
 
 def handle(ctx, msg):
-    order = msg.json()
-    if not isinstance(order, dict):
-        reject("malformed payload: expected an object")
-    try:
-        order_id, account, amount = order["order_id"], order["account"], order["amount"]
-    except KeyError as e:
-        reject(f"malformed payload: missing field `{e.args[0]}`")
+    order_id, account, amount = msg.fields("order_id", "account", "amount")
     if not isinstance(amount, int) or amount <= 0:
         reject(f"order {order_id}: amount must be positive, got {amount}")
     row = ctx.get("accounts", [account])
