@@ -329,7 +329,11 @@ fn the_javascript_and_python_sdks_emit_every_effect_alike() {
     assert_eq!(next[0].payload, br#"{"a":1,"b":2}"#.to_vec(), "sorted, compact JSON");
     let hook: Vec<_> = js.intents().collect();
     assert_eq!(
-        (hook[0].connector.as_str(), hook[0].idempotency_key.as_str(), hook[0].payload.as_slice()),
+        (
+            hook[0].connector.as_str(),
+            hook[0].idempotency_key.as_str(),
+            hook[0].payload.as_slice()
+        ),
         ("hook", "key-1", br#"{"k":"v"}"#.as_slice())
     );
     assert_eq!(hook[0].metadata, vec![("m".to_string(), "n".to_string())]);

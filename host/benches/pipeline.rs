@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use onceq::protocol::{
     self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope,
 };
-use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig};
+use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig, WasmHandler};
 use onceq::schema::{Schema, TableSchema, ValidWrite};
 use onceq::store::sqlite::SqliteStore;
 use onceq::store::{Lease, SendParams, Store, StoreOptions, StoreResult, Transaction};
@@ -541,6 +541,27 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
     }
 }
 
+/// A new engine as a host configures one (`runtime.cache`,
+/// `runtime.reset_dirty_pages`), and `path` loaded on it: the load's time
+/// in milliseconds, the handler, and the engine (drop it or keep it).
+fn load_on_new_engine(path: &Path, cache_dir: Option<&Path>, reset_dirty_pages: bool) -> (f64, WasmHandler, Runtime) {
+    let runtime = Runtime::new(RuntimeConfig {
+        cache_dir: cache_dir.map(Path::to_path_buf),
+        reset_dirty_pages,
+        ..RuntimeConfig::default()
+    })
+    .unwrap();
+    let t = Instant::now();
+    let handler = runtime.load_file(path, HandlerLimits::default()).unwrap();
+    (t.elapsed().as_secs_f64() * 1000.0, handler, runtime)
+}
+
+/// Median and p99 of `calls` dispatches, after a tenth as many to warm up.
+async fn warm_dispatch(handler: &dyn Handler, schema: Arc<Schema>, calls: usize) -> (u64, u64) {
+    let _ = dispatch(handler, schema.clone(), calls / 10).await;
+    dispatch(handler, schema, calls).await
+}
+
 /// The same payments handler in each guest language: size, load (compile,
 /// then from the on-disk cache after a restart), fresh instance + call, and
 /// the SQLite pipeline (1 worker).
@@ -560,32 +581,14 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
         }
         let size_mb = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
         let cache = dir.join(format!("cache-{}", lang.len()));
-        let load = || {
-            let r = Runtime::new(RuntimeConfig {
-                cache_dir: Some(cache.clone()),
-                ..RuntimeConfig::default()
-            })
-            .unwrap();
-            let t = Instant::now();
-            let h = r.load_file(&path, HandlerLimits::default()).unwrap();
-            (t.elapsed().as_secs_f64() * 1000.0, h)
-        };
-        let (cold, _) = load();
-        let (warm, handler) = load();
+        let (cold, _, _) = load_on_new_engine(&path, Some(&cache), true);
+        let (warm, handler, _) = load_on_new_engine(&path, Some(&cache), true);
         let memset = {
-            let r = Runtime::new(RuntimeConfig {
-                cache_dir: Some(cache.clone()),
-                reset_dirty_pages: false,
-                ..RuntimeConfig::default()
-            })
-            .unwrap();
-            let h = r.load_file(&path, HandlerLimits::default()).unwrap();
-            let _ = dispatch(&h, schema.clone(), lang_calls / 10).await;
-            dispatch(&h, schema.clone(), lang_calls).await.0
+            let (_, h, _engine) = load_on_new_engine(&path, Some(&cache), false);
+            warm_dispatch(&h, schema.clone(), lang_calls).await.0
         };
         let handler: Arc<dyn Handler> = Arc::new(handler);
-        let _ = dispatch(handler.as_ref(), schema.clone(), lang_calls / 10).await;
-        let (d50, d99) = dispatch(handler.as_ref(), schema.clone(), lang_calls).await;
+        let (d50, d99) = warm_dispatch(handler.as_ref(), schema.clone(), lang_calls).await;
         let run = pipeline(dir, &format!("lang-{}.db", lang.len()), handler, ln, 1).await;
         println!(
             "| {lang} | {size_mb:.1} MB | {cold:.0} ms | {warm:.1} ms | {:.1} µs | {:.1} µs | {:.1} µs | {:.0} msg/s |",
@@ -611,27 +614,13 @@ fn main() {
     rt.block_on(async {
         // ONCEQ_BENCH_RESET_DIRTY_PAGES=false: the main engine resets memory
         // wholesale (`runtime.reset_dirty_pages = false`).
-        let runtime = Runtime::new(RuntimeConfig {
-            reset_dirty_pages: std::env::var("ONCEQ_BENCH_RESET_DIRTY_PAGES").as_deref() != Ok("false"),
-            ..RuntimeConfig::default()
-        })
-        .unwrap();
-        let t = Instant::now();
-        let wasm: Arc<dyn Handler> = Arc::new(runtime.load_file(&component, HandlerLimits::default()).unwrap());
-        let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let reset_dirty_pages = std::env::var("ONCEQ_BENCH_RESET_DIRTY_PAGES").as_deref() != Ok("false");
+        let (compile_ms, wasm, _engine) = load_on_new_engine(&component, None, reset_dirty_pages);
+        let wasm: Arc<dyn Handler> = Arc::new(wasm);
         // The on-disk compiled-component cache: a cold load compiles and
         // stores, a second engine (a restart) loads the stored code.
         let cache_dir = dir.path().join("cache");
-        let cached_load = || {
-            let r = Runtime::new(RuntimeConfig {
-                cache_dir: Some(cache_dir.clone()),
-                ..RuntimeConfig::default()
-            })
-            .unwrap();
-            let t = Instant::now();
-            r.load_file(&component, HandlerLimits::default()).unwrap();
-            t.elapsed().as_secs_f64() * 1000.0
-        };
+        let cached_load = || load_on_new_engine(&component, Some(&cache_dir), true).0;
         let (cold_ms, warm_ms) = (cached_load(), cached_load());
         let native: Arc<dyn Handler> = Arc::new(native_payments());
         let (schema_store, _) = fresh_db(dir.path(), "schema.db");
@@ -649,8 +638,7 @@ fn main() {
             return;
         }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("dispatch") {
-            let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await;
-            let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
+            let (w50, w99) = warm_dispatch(wasm.as_ref(), schema.clone(), calls).await;
             println!("dispatch: median {:.1} µs, p99 {:.1} µs", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
             return;
         }
@@ -663,19 +651,12 @@ fn main() {
             println!("raw loop: {:.0} messages/s", r.msgs_per_s);
             return;
         }
-        let _ = dispatch(wasm.as_ref(), schema.clone(), calls / 10).await; // warm up
-        let (w50, w99) = dispatch(wasm.as_ref(), schema.clone(), calls).await;
+        let (w50, w99) = warm_dispatch(wasm.as_ref(), schema.clone(), calls).await;
         let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
         // The same on an engine that resets memory wholesale instead of
         // scanning for dirty pages (`runtime.reset_dirty_pages = false`).
-        let small = Runtime::new(RuntimeConfig {
-            reset_dirty_pages: false,
-            ..RuntimeConfig::default()
-        })
-        .unwrap();
-        let small_wasm = small.load_file(&component, HandlerLimits::default()).unwrap();
-        let _ = dispatch(&small_wasm, schema.clone(), calls / 10).await;
-        let (s50, s99) = dispatch(&small_wasm, schema.clone(), calls).await;
+        let (_, small_wasm, _small_engine) = load_on_new_engine(&component, None, false);
+        let (s50, s99) = warm_dispatch(&small_wasm, schema.clone(), calls).await;
 
         // Interleave the configurations over a few rounds and keep each
         // one's best: on a noisy 2-core VM the disk and the neighbours drift.
