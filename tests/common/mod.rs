@@ -87,23 +87,24 @@ impl TestDb {
     }
 }
 
-pub fn runtime() -> Runtime {
-    Runtime::new(RuntimeConfig {
+fn test_runtime_config() -> RuntimeConfig {
+    RuntimeConfig {
         max_instances: 64,
         max_memory: 64 << 20,
         ..Default::default()
-    })
-    .expect("runtime")
+    }
+}
+
+pub fn runtime() -> Runtime {
+    Runtime::new(test_runtime_config()).expect("runtime")
 }
 
 /// [`runtime`] with the on-disk compiled-component cache the tests share
 /// (`target/onceq-test-cache`): the JS and Python components compile once.
 pub fn runtime_cached() -> Runtime {
     Runtime::new(RuntimeConfig {
-        max_instances: 64,
-        max_memory: 64 << 20,
         cache_dir: Some(repo_root().join("target/onceq-test-cache")),
-        ..Default::default()
+        ..test_runtime_config()
     })
     .expect("runtime")
 }
