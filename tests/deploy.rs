@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::host::Host;
 use common::*;
 use onceq::config::Config;
 use onceq::deploy::{version_of, DeployFailure, Deployer};
@@ -119,123 +120,6 @@ batch = 4
     ));
 }
 
-fn parse_prometheus(text: &str) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        if line.is_empty() || line.starts_with('#') {
-            assert!(
-                line.is_empty()
-                    || line.starts_with("# HELP ")
-                    || line.starts_with("# TYPE ")
-                    || line.starts_with("# UNIT ")
-                    || line == "# EOF",
-                "bad comment line: {line}"
-            );
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
-        let name_end = series.find('{').unwrap_or(series.len());
-        let name = &series[..name_end];
-        assert!(
-            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
-            "bad metric name in {line}"
-        );
-        if name_end < series.len() {
-            assert!(series.ends_with('}'), "unclosed labels: {line}");
-            for pair in series[name_end + 1..series.len() - 1].split("\",").filter(|p| !p.is_empty()) {
-                let (k, v) = pair.split_once("=\"").unwrap_or_else(|| panic!("bad label {pair} in {line}"));
-                assert!(k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'), "bad label name {k}");
-                assert!(!v.contains('\n'));
-            }
-        }
-        let v: f64 = match value {
-            "+Inf" => f64::INFINITY,
-            "-Inf" => f64::NEG_INFINITY,
-            v => v.parse().unwrap_or_else(|_| panic!("bad value in {line}")),
-        };
-        out.insert(series.to_string(), v);
-    }
-    assert!(text.trim_end().ends_with("# EOF"), "OpenMetrics text ends with # EOF");
-    out
-}
-
-struct Host {
-    dir: tempfile::TempDir,
-    child: Option<tokio::process::Child>,
-    http: reqwest::Client,
-}
-
-impl Host {
-    fn cmd(&self, args: &[&str]) -> tokio::process::Command {
-        onceq_command(self.dir.path(), args)
-    }
-
-    async fn onceq(&self, args: &[&str]) -> (bool, String) {
-        let out = self.cmd(args).output().await.unwrap();
-        (
-            out.status.success(),
-            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
-        )
-    }
-
-    async fn ok(&self, args: &[&str]) -> String {
-        let (ok, text) = self.onceq(args).await;
-        assert!(ok, "onceq {args:?} failed: {text}");
-        text
-    }
-
-    async fn start(&mut self) {
-        let addr_file = self.dir.path().join(".onceq/admin.addr");
-        let _ = std::fs::remove_file(&addr_file);
-        let log = std::fs::File::create(self.dir.path().join("host.log")).unwrap();
-        self.child = Some(self.cmd(&["run"]).stderr(log).spawn().unwrap());
-        for _ in 0..6000 {
-            if addr_file.exists() {
-                return;
-            }
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!(
-                    "onceq run exited ({status}): {}",
-                    std::fs::read_to_string(self.dir.path().join("host.log")).unwrap_or_default()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the admin API did not come up in 60 s");
-    }
-
-    async fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let pid = c.id().unwrap().to_string();
-            std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-            let status = tokio::time::timeout(Duration::from_secs(30), c.wait()).await.unwrap().unwrap();
-            assert!(status.success(), "exit 0 after SIGTERM: {status}");
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        let addr = std::fs::read_to_string(self.dir.path().join(".onceq/admin.addr")).unwrap();
-        format!("http://{}{path}", addr.trim())
-    }
-
-    async fn get(&self, path: &str) -> (u16, String) {
-        let r = self.http.get(self.url(path)).send().await.unwrap();
-        (r.status().as_u16(), r.text().await.unwrap())
-    }
-
-    async fn metrics(&self) -> BTreeMap<String, f64> {
-        let (status, text) = self.get("/metrics").await;
-        assert_eq!(status, 200);
-        parse_prometheus(&text)
-    }
-
-    async fn active(&self) -> serde_json::Value {
-        let (_, text) = self.get("/v1/queues/tally/versions").await;
-        let list: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
-        list.into_iter().find(|v| v["active"] == true).unwrap()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_api_deploys_with_a_token_serves_metrics_and_a_watched_folder_swaps() {
     let dir = tempfile::tempdir().unwrap();
@@ -264,11 +148,7 @@ tables = ["tally"]
         ),
     )
     .unwrap();
-    let mut host = Host {
-        dir,
-        child: None,
-        http: reqwest::Client::new(),
-    };
+    let mut host = Host::new(dir);
     host.ok(&["init"]).await;
     host.start().await;
     let (v1, v2) = (guest("tally_v1"), guest("tally_v2"));

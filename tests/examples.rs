@@ -250,7 +250,7 @@ async fn rust_python_and_javascript_payments_leave_the_same_database_state() {
             .map(Result::unwrap)
             .collect()
         };
-        let intents = onceq::app::outbox_list(db.store.as_ref(), Some("charge"), false, 1000)
+        let intents = onceq::outbox::inspect::list(db.store.as_ref(), Some("charge"), false, 1000)
             .await
             .unwrap();
         let mut intents: Vec<(String, String)> = intents.into_iter().map(|i| (i.intent.idempotency_key, i.payload)).collect();

@@ -181,7 +181,7 @@ async fn webhook_applies_each_intent_once_through_500s_timeouts_and_cut_connecti
     // Everything accounted for: the doomed messages dead-lettered, the
     // outbox empty, and each delivered key kept for the retention window.
     let stats = db.store.stats().await.unwrap();
-    let (queues, connectors) = onceq::app::outbox_stats(&stats);
+    let (queues, connectors) = onceq::outbox::inspect::split_stats(&stats);
     assert_eq!(queues.iter().find(|q| q.queue == "doomed").unwrap().dead, 5);
     let charge = connectors.iter().find(|c| c.connector == "charge").unwrap();
     assert_eq!(
@@ -240,21 +240,26 @@ async fn refused_intents_are_dead_lettered_with_the_response_and_can_be_replayed
     assert_eq!(server.seen().len(), 3);
     assert_eq!(dispatcher.metrics.dead_lettered.load(Relaxed), 1, "a 422 is not retried");
 
-    let dead = onceq::app::outbox_list(db.store.as_ref(), Some("charge"), true, 10).await.unwrap();
+    let dead = onceq::outbox::inspect::list(db.store.as_ref(), Some("charge"), true, 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     let d = &dead[0];
     assert_eq!((d.state, d.intent.idempotency_key.as_str()), ("dead", "charge-o-2"));
     let reason = d.reason.as_deref().unwrap();
     assert!(reason.contains("HTTP 422") && reason.contains("refused: charge-o-2"), "{reason}");
-    let shown = onceq::app::outbox_get(db.store.as_ref(), &d.intent.id).await.unwrap();
+    let shown = onceq::outbox::inspect::get(db.store.as_ref(), &d.intent.id).await.unwrap();
     assert_eq!(shown.payload, d.payload);
-    let e = onceq::app::outbox_get(db.store.as_ref(), "nope").await.unwrap_err().to_string();
+    let e = onceq::outbox::inspect::get(db.store.as_ref(), "nope")
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no undelivered intent with id nope"), "{e}");
 
     // The endpoint is fixed; the intent is replayed with the same key.
     server.state.refuse.lock().unwrap().clear();
-    onceq::app::outbox_replay(db.store.as_ref(), &d.intent.id).await.unwrap();
-    let e = onceq::app::outbox_replay(db.store.as_ref(), &d.intent.id)
+    onceq::outbox::inspect::replay(db.store.as_ref(), &d.intent.id).await.unwrap();
+    let e = onceq::outbox::inspect::replay(db.store.as_ref(), &d.intent.id)
         .await
         .unwrap_err()
         .to_string();
@@ -265,7 +270,7 @@ async fn refused_intents_are_dead_lettered_with_the_response_and_can_be_replayed
     )
     .await;
     assert_eq!(server.seen()["charge-o-2"].applied, 1);
-    assert!(onceq::app::outbox_list(db.store.as_ref(), None, false, 10)
+    assert!(onceq::outbox::inspect::list(db.store.as_ref(), None, false, 10)
         .await
         .unwrap()
         .is_empty());

@@ -47,7 +47,6 @@ async fn dead_letter_reason(db: &TestDb, payload: &str, limits: HandlerLimits, e
             grants: grants(tables, &[], &[]),
             limits: effect_limits,
             policy: policy(1, 1),
-            key_retention: None,
         },
         db.store.clone(),
     ));
@@ -137,6 +136,7 @@ async fn oversize_effect_list_and_effect_bytes_are_refused() {
     let limits = EffectLimits {
         max_effects: 100,
         max_bytes: 1 << 20,
+        ..Default::default()
     };
     let payload = serde_json::json!({"do": "effects", "n": 101}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), limits, &["chaos_log"]).await;
@@ -147,6 +147,7 @@ async fn oversize_effect_list_and_effect_bytes_are_refused() {
     let limits = EffectLimits {
         max_effects: 100,
         max_bytes: 64 << 10,
+        ..Default::default()
     };
     let payload = serde_json::json!({"do": "big", "n": 100_000}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), limits, &["chaos_log"]).await;
@@ -284,6 +285,7 @@ async fn a_trap_does_not_disturb_other_messages_on_the_same_worker() {
         HandlerLimits {
             deadline: Duration::from_millis(100),
             memory: 16 << 20,
+            ..Default::default()
         },
     ));
     let r = runner(&db.store, "chaos", h, grants(&["chaos_log"], &[], &[]), policy(1, 1));

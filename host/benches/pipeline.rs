@@ -520,7 +520,6 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
             grants,
             limits: EffectLimits::default(),
             policy,
-            key_retention: None,
         },
         store.clone(),
     ));

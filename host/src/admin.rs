@@ -14,15 +14,20 @@
 //! Mutating endpoints (POST) require `Authorization: Bearer <token>`, the
 //! token coming from `admin.token` or the environment (`admin.token_env`,
 //! default `ONCEQ_ADMIN_TOKEN`). Without a configured token they answer 401
-//! to everyone: deploys are off until an operator sets one.
+//! to everyone: deploys are off until an operator sets one. The token is
+//! checked before a byte of the body is read (a middleware in front of the
+//! handlers), and the body is then read up to `admin.max_upload` (413
+//! past it), so an unauthenticated client cannot make the host buffer
+//! anything.
 
 use crate::deploy::{DeployFailure, Deployer};
 use crate::outbox;
 use crate::protocol::QueueRunner;
 use crate::store::Store;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -34,10 +39,6 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Largest component a deploy accepts (JS and Python components are tens
-/// of MB).
-pub const MAX_COMPONENT_BYTES: usize = 256 << 20;
-
 /// Handler latency histogram buckets, seconds.
 const LATENCY_BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
@@ -47,6 +48,9 @@ pub struct Admin {
     pub runners: Vec<Arc<QueueRunner>>,
     pub deployer: Arc<Deployer>,
     pub token: Option<String>,
+    /// Largest request body accepted (`admin.max_upload`), read only after
+    /// the token was checked.
+    pub max_upload: usize,
     /// Set once the queues are being served.
     pub ready: AtomicBool,
 }
@@ -127,7 +131,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
 async fn stats(State(admin): State<Arc<Admin>>) -> Response {
     match admin.store.stats().await {
         Ok(s) => {
-            let (queues, outbox) = crate::app::outbox_stats(&s);
+            let (queues, outbox) = outbox::inspect::split_stats(&s);
             Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": admin.deployer.active() })).into_response()
         }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
@@ -146,16 +150,15 @@ struct DeployQuery {
     label: Option<String>,
 }
 
-async fn deploy(
-    State(admin): State<Arc<Admin>>,
-    Path(queue): Path<String>,
-    Query(q): Query<DeployQuery>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Some(r) = refusal(&admin, &headers) {
-        return r;
+/// In front of every mutating route: refuse before the body is read.
+async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
+    match refusal(&admin, request.headers()) {
+        Some(r) => r,
+        None => next.run(request).await,
     }
+}
+
+async fn deploy(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, Query(q): Query<DeployQuery>, body: Bytes) -> Response {
     if body.is_empty() {
         return error(StatusCode::BAD_REQUEST, "the request body must be the component's bytes");
     }
@@ -165,10 +168,7 @@ async fn deploy(
     }
 }
 
-async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, headers: HeaderMap) -> Response {
-    if let Some(r) = refusal(&admin, &headers) {
-        return r;
-    }
+async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
     match admin.deployer.rollback(&queue).await {
         Ok(d) => Json(d).into_response(),
         Err(e) => deploy_error(e),
@@ -177,21 +177,27 @@ async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, he
 
 /// The admin API's routes.
 pub fn router(admin: Arc<Admin>) -> Router {
+    let mutating = Router::new()
+        .route("/v1/queues/{queue}/deploy", post(deploy))
+        .route("/v1/queues/{queue}/rollback", post(rollback))
+        .layer(DefaultBodyLimit::max(admin.max_upload))
+        .route_layer(axum::middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/stats", get(stats))
         .route("/v1/queues/{queue}/versions", get(versions))
-        .route("/v1/queues/{queue}/deploy", post(deploy))
-        .route("/v1/queues/{queue}/rollback", post(rollback))
-        .layer(DefaultBodyLimit::max(MAX_COMPONENT_BYTES))
+        .merge(mutating)
         .with_state(admin)
 }
 
-/// Serve until the task is dropped.
-pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener) {
-    if let Err(e) = axum::serve(listener, router(admin)).await {
+/// Serve until `stop` turns true, then finish the requests under way.
+pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let stopping = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    if let Err(e) = axum::serve(listener, router(admin)).with_graceful_shutdown(stopping).await {
         tracing::error!("admin API stopped: {e}");
     }
 }

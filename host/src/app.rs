@@ -1,7 +1,7 @@
 //! What the `onceq` commands do. The binary only parses arguments and
 //! prints; everything testable lives here.
 
-use crate::config::{Config, QueueConfig};
+use crate::config::Config;
 use crate::outbox;
 use crate::protocol::{self, Handler, QueueRunner, QueueSpec};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
@@ -23,21 +23,6 @@ pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     store::open(&cfg.store, &cfg.store_options).await
 }
 
-/// Check a queue's grants against the database schema.
-pub fn check_grants(q: &QueueConfig, store: &dyn Store) -> anyhow::Result<()> {
-    let schema = store.schema();
-    for t in &q.grants.tables {
-        if !schema.tables.contains_key(t) {
-            bail!(
-                "queue {} is granted table {t}, which is not in the database (tables: {})",
-                q.name,
-                schema.tables.keys().cloned().collect::<Vec<_>>().join(", ")
-            );
-        }
-    }
-    Ok(())
-}
-
 /// Load every queue's handler and build its runner, then one outbox runner
 /// per configured connector.
 pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
@@ -47,7 +32,7 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
     runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
     let mut out = Vec::new();
     for q in &cfg.queues {
-        check_grants(q, store.as_ref())?;
+        q.check_grants(&store.schema())?;
         let handler = runtime
             .load_file(&q.handler, q.limits)
             .with_context(|| format!("queue {}", q.name))?;
@@ -59,7 +44,6 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
                 grants: q.grants.clone(),
                 limits: q.effect_limits,
                 policy: q.policy.clone(),
-                key_retention: None,
             },
             store.clone(),
         )));
@@ -83,14 +67,17 @@ pub fn build_outbox_runners(cfg: &Config, store: &Arc<dyn Store>) -> anyhow::Res
 /// window, delivered intents' keys past the retention).
 pub const PURGE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
-async fn purge_loop(store: Arc<dyn Store>) {
-    loop {
+async fn purge_loop(store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
+    while !*stop.borrow() {
         match store.dedup_purge().await {
             Ok(0) => {}
             Ok(n) => tracing::debug!("forgot {n} expired dedup keys"),
             Err(e) => tracing::warn!("purging expired dedup keys failed (will retry): {e}"),
         }
-        tokio::time::sleep(crate::protocol::jittered(PURGE_EVERY)).await;
+        tokio::select! {
+            () = tokio::time::sleep(crate::protocol::jittered(PURGE_EVERY)) => {}
+            _ = stop.wait_for(|s| *s) => {}
+        }
     }
 }
 
@@ -117,10 +104,20 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// `onceq run`: serve until a signal (or until empty): the configured
-/// queues on their active versions, the outbox dispatchers, the admin API
-/// and the watched handler folder.
-pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
+/// `onceq run`: serve the configured queues on their active versions, the
+/// outbox dispatchers, the admin API and the watched handler folder until
+/// `shutdown` resolves (the CLI passes [`shutdown_signal`]; tests and
+/// embedders their own) or, with `until_empty`, until no work is left.
+///
+/// On shutdown, in-flight messages finish (leased, unstarted ones are
+/// released), then the admin server, the watcher and the purge loop stop
+/// and are awaited; all within `shutdown_grace`, past which the host
+/// returns anyway (leases of what it still held expire).
+pub async fn run(
+    cfg: &Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    until_empty: bool,
+) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
     let store = open_store(cfg).await?;
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
     let (deployer, mut runners) = crate::deploy::Deployer::open(cfg, &store, runtime)?;
@@ -129,11 +126,14 @@ pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<Queu
         bail!("no [[queue]] and no [[connector]] configured: nothing to run");
     }
     let mut background = tokio::task::JoinSet::new();
+    // Background tasks (admin API, watcher, purge) stop when this turns true.
+    let (stop, stop_rx) = watch::channel(false);
     let admin = Arc::new(crate::admin::Admin {
         store: store.clone(),
         runners: runners.clone(),
         deployer: deployer.clone(),
         token: cfg.admin.token.clone(),
+        max_upload: cfg.admin.max_upload,
         ready: std::sync::atomic::AtomicBool::new(false),
     });
     let addr_file = cfg.state_dir.join("admin.addr");
@@ -144,24 +144,54 @@ pub async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<Vec<Arc<Queu
         let addr = listener.local_addr()?;
         std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
         tracing::info!(%addr, token = cfg.admin.token.is_some(), "admin API listening");
-        background.spawn(crate::admin::serve(admin.clone(), listener));
+        background.spawn(crate::admin::serve(admin.clone(), listener, stop_rx.clone()));
     }
     if let Some((dir, every)) = &cfg.watch {
-        background.spawn(deployer.clone().watch(dir.clone(), *every));
+        background.spawn(deployer.clone().watch(dir.clone(), *every, stop_rx.clone()));
     }
-    background.spawn(purge_loop(store.clone()));
+    background.spawn(purge_loop(store.clone(), stop_rx.clone()));
     let (tx, _rx) = watch::channel(false);
     let tx = Arc::new(tx);
     let signal_tx = tx.clone();
-    background.spawn(async move {
-        shutdown_signal().await;
+    // Not in `background`: it must not hold the host open once it is done.
+    let requested = tokio::spawn(async move {
+        shutdown.await;
         tracing::info!("shutdown requested: finishing in-flight messages, releasing the rest");
         let _ = signal_tx.send(true);
     });
     tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
     admin.ready.store(true, std::sync::atomic::Ordering::Relaxed);
-    protocol::run_queues(store, runners.clone(), tx, until_empty).await;
-    background.abort_all();
+    let mut rx = tx.subscribe();
+    let serving = protocol::run_queues(store, runners.clone(), tx, until_empty);
+    // Workers finish their in-flight message after a shutdown request; the
+    // handler deadline bounds a call, but a store that stops answering
+    // would not: past the grace the host exits anyway, and the leases of
+    // what it held expire.
+    let grace = cfg.shutdown_grace;
+    let overdue = async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        () = serving => {}
+        () = overdue => {
+            let in_flight: i64 = runners.iter().map(|r| r.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed)).sum();
+            tracing::warn!(
+                in_flight,
+                "shutdown grace of {} over (setting shutdown_grace): exiting with work in flight; its leases will expire and another host will process it",
+                crate::names::duration(grace)
+            );
+        }
+    }
+    requested.abort();
+    // Drain the background tasks: the admin server finishes its requests,
+    // the watcher and the purge loop their round.
+    let _ = stop.send(true);
+    let drained = tokio::time::timeout(grace, async { while background.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("background tasks did not stop within the shutdown grace; aborting them");
+        background.abort_all();
+    }
     if cfg.admin.listen.is_some() {
         let _ = std::fs::remove_file(&addr_file);
     }
@@ -289,125 +319,4 @@ pub async fn try_message(
     };
     let tx = store.transaction_begin().await?;
     Ok(crate::tryout::run(&handler, message, tx, store.schema(), &grants, &effect_limits).await)
-}
-
-/// An intent as `onceq outbox list|show` prints it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct OutboxEntry {
-    /// "pending" (waiting for a delivery or a retry), "in-flight" (leased
-    /// by a dispatcher) or "dead" (refused, or out of attempts).
-    pub state: &'static str,
-    #[serde(flatten)]
-    pub intent: outbox::Intent,
-    pub payload: String,
-    /// Database time (µs) of the emission.
-    pub created_at: i64,
-    /// Pending: when the next delivery may start (µs); dead: when it died.
-    pub at: i64,
-    /// Why the last delivery failed (pending), or why it is dead.
-    pub reason: Option<String>,
-}
-
-fn entry_from_queued(m: &store::QueuedMessage) -> Option<OutboxEntry> {
-    let intent = outbox::Intent::from_queued(m)?;
-    Some(OutboxEntry {
-        state: if m.leased { "in-flight" } else { "pending" },
-        payload: intent.payload_text(),
-        intent,
-        created_at: m.enqueued_at,
-        at: m.visible_at,
-        reason: m.last_error.clone(),
-    })
-}
-
-fn entry_from_dead(d: &store::DeadLetter) -> Option<OutboxEntry> {
-    let intent = outbox::Intent::from_dead_letter(d)?;
-    Some(OutboxEntry {
-        state: "dead",
-        payload: intent.payload_text(),
-        intent,
-        created_at: d.enqueued_at,
-        at: d.failed_at,
-        reason: Some(d.reason.clone()),
-    })
-}
-
-/// `onceq outbox list`: undelivered intents (pending and in flight, oldest
-/// first), then dead ones (newest first); of one connector, or all.
-pub async fn outbox_list(store: &dyn Store, connector: Option<&str>, dead_only: bool, limit: usize) -> anyhow::Result<Vec<OutboxEntry>> {
-    let queue = connector.map(outbox::queue_of);
-    let sel = match &queue {
-        Some(q) => store::Queues::Named(q),
-        None => store::Queues::Prefix(outbox::QUEUE_PREFIX),
-    };
-    let mut out = Vec::new();
-    if !dead_only {
-        out.extend(store.message_list(sel, limit).await?.iter().filter_map(entry_from_queued));
-    }
-    let room = limit.saturating_sub(out.len());
-    if room > 0 {
-        out.extend(store.dead_letter_list(sel, room).await?.iter().filter_map(entry_from_dead));
-    }
-    Ok(out)
-}
-
-/// `onceq outbox show ID`.
-pub async fn outbox_get(store: &dyn Store, id: &str) -> anyhow::Result<OutboxEntry> {
-    if let Some(e) = store.message_get(id).await?.as_ref().and_then(entry_from_queued) {
-        return Ok(e);
-    }
-    if let Some(e) = store.dead_letter_get(id).await?.as_ref().and_then(entry_from_dead) {
-        return Ok(e);
-    }
-    bail!("no undelivered intent with id {id} (delivered intents leave the outbox; their keys are kept for the retention window)")
-}
-
-/// `onceq outbox replay ID`: put a dead intent back in its outbox (same key,
-/// attempts reset). Returns the entry as it was.
-pub async fn outbox_replay(store: &dyn Store, id: &str) -> anyhow::Result<OutboxEntry> {
-    let entry = outbox_get(store, id).await?;
-    if entry.state != "dead" {
-        bail!("intent {id} is {}: only dead intents can be replayed", entry.state);
-    }
-    store
-        .dead_letter_replay(id)
-        .await?
-        .with_context(|| format!("intent {id} was replayed or removed meanwhile"))?;
-    Ok(entry)
-}
-
-/// Outbox figures per connector, for `onceq stats`.
-#[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
-pub struct OutboxStats {
-    pub connector: String,
-    /// Waiting for a first delivery or a retry.
-    pub pending: u64,
-    /// Being delivered now.
-    pub in_flight: u64,
-    /// Refused or out of attempts.
-    pub dead: u64,
-    /// Delivered, key still kept for the retention window.
-    pub delivered_retained: u64,
-}
-
-/// Split store stats into message queues and outbox connectors.
-pub fn outbox_stats(stats: &store::Stats) -> (Vec<store::QueueStats>, Vec<OutboxStats>) {
-    let mut queues = Vec::new();
-    let mut connectors = Vec::new();
-    for q in &stats.queues {
-        match outbox::connector_of(&q.queue) {
-            None => queues.push(q.clone()),
-            Some(c) => {
-                let undelivered = q.ready + q.delayed + q.leased + q.dead;
-                connectors.push(OutboxStats {
-                    connector: c.to_string(),
-                    pending: q.ready + q.delayed,
-                    in_flight: q.leased,
-                    dead: q.dead,
-                    delivered_retained: q.dedup_keys.saturating_sub(undelivered),
-                });
-            }
-        }
-    }
-    (queues, connectors)
 }

@@ -47,6 +47,7 @@ struct RawRuntime {
 #[serde(deny_unknown_fields)]
 struct RawAdmin {
     listen: Option<String>,
+    max_upload: Option<String>,
     token: Option<String>,
     token_env: Option<String>,
 }
@@ -72,6 +73,10 @@ struct RawSettings {
     memory: Option<String>,
     max_effects: Option<usize>,
     max_effect_bytes: Option<String>,
+    max_delay: Option<String>,
+    max_reads: Option<u64>,
+    max_read_bytes: Option<String>,
+    max_log_bytes: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -95,6 +100,10 @@ struct RawQueue {
     memory: Option<String>,
     max_effects: Option<usize>,
     max_effect_bytes: Option<String>,
+    max_delay: Option<String>,
+    max_reads: Option<u64>,
+    max_read_bytes: Option<String>,
+    max_log_bytes: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -128,6 +137,7 @@ struct RawConfig {
     store: String,
     schema: Option<OneOrMany>,
     dedup_window: Option<String>,
+    shutdown_grace: Option<String>,
     state_dir: Option<PathBuf>,
     #[serde(default)]
     sqlite: RawSqlite,
@@ -160,6 +170,24 @@ pub struct QueueConfig {
     pub effect_limits: EffectLimits,
 }
 
+impl QueueConfig {
+    /// Check the queue's table grants against the database schema (the one
+    /// place grants are checked against what exists; effects are checked
+    /// against the grants at run time).
+    pub fn check_grants(&self, schema: &crate::schema::Schema) -> anyhow::Result<()> {
+        for t in &self.grants.tables {
+            if !schema.tables.contains_key(t) {
+                bail!(
+                    "queue {} is granted table {t}, which is not in the database (tables: {})",
+                    self.name,
+                    schema.tables.keys().cloned().collect::<Vec<_>>().join(", ")
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The whole file, resolved and checked.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -179,6 +207,27 @@ pub struct Config {
     pub admin: AdminConfig,
     /// Folder watched for `<queue>.wasm` handler files, and how often.
     pub watch: Option<(PathBuf, Duration)>,
+    /// After SIGINT/SIGTERM, how long in-flight messages may take to finish
+    /// before the host exits anyway (their leases then expire).
+    pub shutdown_grace: Duration,
+}
+
+/// Default `shutdown_grace`.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
+
+/// Longest lease a queue may set: renewal keeps longer work leased.
+pub const MAX_LEASE: Duration = Duration::from_secs(3600);
+
+/// Refuse a duration over `max`, naming the key.
+fn at_most(key: &str, d: Duration, max: Duration) -> anyhow::Result<Duration> {
+    if d > max {
+        bail!(
+            "{key}: {} is over the limit of {}",
+            crate::names::duration(d),
+            crate::names::duration(max)
+        );
+    }
+    Ok(d)
 }
 
 /// The admin HTTP API (`[admin]`).
@@ -188,10 +237,16 @@ pub struct AdminConfig {
     pub listen: Option<String>,
     /// The bearer token mutating endpoints require (`None`: they refuse).
     pub token: Option<String>,
+    /// Largest request body (a component upload) accepted, after the token
+    /// was checked.
+    pub max_upload: usize,
 }
 
 /// Default admin API address: loopback only.
 pub const ADMIN_LISTEN: &str = "127.0.0.1:7070";
+/// Default `admin.max_upload`: the largest request body (a component) a
+/// deploy accepts. JS and Python components are 12-20 MB.
+pub const ADMIN_MAX_UPLOAD: usize = 64 << 20;
 /// Environment variable read for the admin token by default.
 pub const ADMIN_TOKEN_ENV: &str = "ONCEQ_ADMIN_TOKEN";
 
@@ -246,10 +301,6 @@ fn parse_connector(c: &RawConnector, base: &Path) -> anyhow::Result<ConnectorCon
         }
         other => bail!("connector {name}: unknown kind {other:?} (use \"webhook\", \"file\" or \"log\")"),
     })
-}
-
-fn valid_name(s: &str) -> bool {
-    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
 }
 
 /// Parse `"10s"`, `"250ms"`, `"5m"`.
@@ -341,11 +392,9 @@ impl Config {
         let d = &raw.defaults;
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
-            if !valid_name(&q.name) {
-                bail!("queue name {:?}: use letters, digits, '-', '_' or '.'", q.name);
-            }
-            if q.name.starts_with(crate::outbox::RESERVED_PREFIX) {
-                bail!("queue name {:?}: names starting with \"onceq.\" are reserved", q.name);
+            crate::names::check_queue(&q.name)?;
+            for target in &q.enqueue {
+                crate::names::check_queue(target).with_context(|| format!("queue {}: enqueue", q.name))?;
             }
             if queues.iter().any(|o| o.name == q.name) {
                 bail!("queue {} is configured twice", q.name);
@@ -379,10 +428,12 @@ impl Config {
             if policy.lease < Duration::from_millis(100) {
                 bail!("queue {}: lease must be at least 100ms", q.name);
             }
+            at_most(&key("lease"), policy.lease, MAX_LEASE)?;
             let hd = HandlerLimits::default();
             let limits = HandlerLimits {
-                deadline: dur("deadline", &q.deadline, &d.deadline, hd.deadline)?,
+                deadline: at_most(&key("deadline"), dur("deadline", &q.deadline, &d.deadline, hd.deadline)?, MAX_LEASE)?,
                 memory: size("memory", &q.memory, &d.memory, hd.memory)?,
+                max_log_bytes: size("max_log_bytes", &q.max_log_bytes, &d.max_log_bytes, hd.max_log_bytes)?,
             };
             if limits.memory > runtime.max_memory {
                 bail!(
@@ -396,7 +447,16 @@ impl Config {
             let effect_limits = EffectLimits {
                 max_effects: q.max_effects.or(d.max_effects).unwrap_or(ed.max_effects),
                 max_bytes: size("max_effect_bytes", &q.max_effect_bytes, &d.max_effect_bytes, ed.max_bytes)?,
+                max_delay: at_most(
+                    &key("max_delay"),
+                    dur("max_delay", &q.max_delay, &d.max_delay, ed.max_delay)?,
+                    crate::store::MAX_SCHEDULE,
+                )?,
+                max_reads: q.max_reads.or(d.max_reads).unwrap_or(ed.max_reads),
+                max_read_bytes: size("max_read_bytes", &q.max_read_bytes, &d.max_read_bytes, ed.max_read_bytes)?,
             };
+            at_most(&key("backoff_max"), policy.backoff_max, effect_limits.max_delay)?;
+            at_most(&key("backoff_initial"), policy.backoff_initial, policy.backoff_max)?;
             queues.push(QueueConfig {
                 name: q.name.clone(),
                 handler: resolve(base, &q.handler),
@@ -412,9 +472,7 @@ impl Config {
         }
         let mut connectors: Vec<(String, ConnectorConfig)> = Vec::new();
         for c in &raw.connectors {
-            if !valid_name(&c.name) {
-                bail!("connector name {:?}: use letters, digits, '-', '_' or '.'", c.name);
-            }
+            crate::names::check_connector(&c.name)?;
             if connectors.iter().any(|(n, _)| *n == c.name) {
                 bail!("connector {} is configured twice", c.name);
             }
@@ -458,6 +516,18 @@ impl Config {
         if outbox.lease < Duration::from_millis(100) {
             bail!("outbox.lease must be at least 100ms");
         }
+        at_most("outbox.lease", outbox.lease, MAX_LEASE)?;
+        at_most("outbox.backoff_max", outbox.backoff_max, crate::protocol::effects::MAX_DELAY)?;
+        at_most("outbox.retention", outbox.retention, crate::store::MAX_SCHEDULE)?;
+        at_most("dedup_window", store_options.dedup_window, crate::store::MAX_SCHEDULE)?;
+        let shutdown_grace = match &raw.shutdown_grace {
+            Some(g) => at_most("shutdown_grace", parse_duration("shutdown_grace", g)?, MAX_LEASE)?,
+            None => SHUTDOWN_GRACE,
+        };
+        let max_upload = match &raw.admin.max_upload {
+            Some(m) => parse_size("admin.max_upload", m)?,
+            None => ADMIN_MAX_UPLOAD,
+        };
         let listen = match raw.admin.listen.as_deref() {
             None => Some(ADMIN_LISTEN.to_string()),
             Some("off") => None,
@@ -496,8 +566,9 @@ impl Config {
             outbox,
             connectors,
             state_dir,
-            admin: AdminConfig { listen, token },
+            admin: AdminConfig { listen, token, max_upload },
             watch,
+            shutdown_grace,
         })
     }
 
@@ -615,6 +686,53 @@ mod tests {
         );
         bad("store = \"x\"\n[outbox]\nretention = \"forever\"", "outbox.retention");
         bad("store = \"x\"\n[outbox]\nworkers = 0", "outbox.workers");
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nlease = \"300000years\"",
+            "queue a: lease: ",
+        );
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nlease = \"2h\"",
+            "is over the limit of 1h",
+        );
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"ONCEQ.x\"\nhandler = \"h\"",
+            "reserved for onceq",
+        );
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nenqueue = [\"b c\"]",
+            "queue a: enqueue",
+        );
+        bad(
+            "store = \"x\"\nshutdown_grace = \"2h\"",
+            "shutdown_grace: 2h is over the limit of 1h",
+        );
+        bad(
+            "store = \"x\"\n[defaults]\nmax_delay = \"2000years\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"",
+            "queue a: max_delay",
+        );
+        bad("store = \"x\"\n[admin]\nmax_upload = \"lots\"", "admin.max_upload");
+    }
+
+    #[test]
+    fn limits_parse_with_their_defaults() {
+        let cfg = Config::parse(
+            "store = \"x.db\"\nshutdown_grace = \"3s\"\n[admin]\nmax_upload = \"8MiB\"\n[defaults]\nmax_delay = \"7d\"\nmax_reads = 50\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nmax_read_bytes = \"1MiB\"\nmax_log_bytes = \"4KiB\"\n[[queue]]\nname = \"b\"\nhandler = \"h\"",
+            Path::new("/"),
+        )
+        .unwrap();
+        assert_eq!(cfg.shutdown_grace, Duration::from_secs(3));
+        assert_eq!(cfg.admin.max_upload, 8 << 20);
+        let a = cfg.queue("a").unwrap();
+        assert_eq!(a.effect_limits.max_delay, Duration::from_secs(7 * 24 * 3600));
+        assert_eq!((a.effect_limits.max_reads, a.effect_limits.max_read_bytes), (50, 1 << 20));
+        assert_eq!(a.limits.max_log_bytes, 4 << 10);
+        let b = cfg.queue("b").unwrap();
+        assert_eq!(b.effect_limits.max_read_bytes, EffectLimits::default().max_read_bytes);
+        assert_eq!(b.limits.max_log_bytes, HandlerLimits::default().max_log_bytes);
+        assert_eq!(
+            Config::parse("store = \"x\"", Path::new("/")).unwrap().shutdown_grace,
+            SHUTDOWN_GRACE
+        );
     }
 
     #[test]

@@ -276,6 +276,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             limit: None,
             seed: args.seed,
             renewals_fail: false,
+            read_delay: None,
         },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
@@ -407,7 +408,7 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
         .iter()
         .all(|r| charge_keys.contains(format!("charge-{}", text(r, "id")).as_str()));
     let left: u64 = stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum();
-    let (queues, connectors) = app::outbox_stats(&stats);
+    let (queues, connectors) = crate::outbox::inspect::split_stats(&stats);
     let dead_in_table: u64 = queues.iter().map(|q| q.dead).sum();
     let dead_intents: u64 = connectors.iter().map(|c| c.dead).sum();
 

@@ -143,7 +143,7 @@ impl Deployer {
         let mut slots = BTreeMap::new();
         let mut runners = Vec::new();
         for q in &cfg.queues {
-            crate::app::check_grants(q, store.as_ref())?;
+            q.check_grants(&store.schema())?;
             let (handler, deployment) = Self::initial(&dir, &runtime, q, history.queues.get(&q.name))?;
             if let Some(d) = deployment {
                 history.queues.entry(q.name.clone()).or_default().push(d);
@@ -156,7 +156,6 @@ impl Deployer {
                     grants: q.grants.clone(),
                     limits: q.effect_limits,
                     policy: q.policy.clone(),
-                    key_retention: None,
                 },
                 store.clone(),
             ));
@@ -340,11 +339,11 @@ impl Deployer {
 
     /// Watch `dir` for `<queue>.wasm` files and deploy each new content
     /// (source "watch"). A refused file is logged once per content.
-    pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration) {
+    pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
         let mut seen: BTreeMap<String, (u64, Option<std::time::SystemTime>)> = BTreeMap::new();
         let mut refused: BTreeMap<String, String> = BTreeMap::new();
         tracing::info!(dir = %dir.display(), "watching for handler files (<queue>.wasm)");
-        loop {
+        while !*stop.borrow() {
             for queue in self.queues() {
                 let path = dir.join(format!("{queue}.wasm"));
                 let Ok(meta) = std::fs::metadata(&path) else { continue };
@@ -371,7 +370,10 @@ impl Deployer {
                     Err(e) => tracing::warn!(queue = %queue, file = %path.display(), "deploying the watched handler failed: {e}"),
                 }
             }
-            tokio::time::sleep(every).await;
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
         }
     }
 }

@@ -22,6 +22,9 @@
 //!   watched folder.
 //! - [`admin`]: the admin HTTP API (health, Prometheus metrics, stats,
 //!   deploy/rollback/versions behind a bearer token).
+//! - [`names`]: queue, connector and key names, the reserved `onceq.`
+//!   namespace, and escaping what handlers and producers chose (a leaf:
+//!   it imports nothing of onceq's).
 //! - [`app`]: what the CLI commands do (the `onceq` binary is a thin shell).
 
 pub mod admin;
@@ -29,6 +32,7 @@ pub mod app;
 pub mod config;
 pub mod demo;
 pub mod deploy;
+pub mod names;
 pub mod outbox;
 pub mod protocol;
 pub mod runtime;

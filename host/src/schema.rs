@@ -117,6 +117,15 @@ impl TableSchema {
             } else if !col.ty.accepts(v) {
                 return Err(format!("table {t}: column {name} is {}, got {}", col.ty.name(), v.type_name()));
             }
+            if let Value::Float64(f) = v {
+                if f.is_nan() {
+                    // SQLite would store NULL (even in a NOT NULL column's
+                    // place), Spanner NaN: refused, so both stores agree.
+                    return Err(format!(
+                        "table {t}: column {name}: NaN cannot be stored (use null for \"no value\")"
+                    ));
+                }
+            }
             if let Value::Json(text) = v {
                 if let Err(e) = serde_json::from_str::<serde_json::Value>(text) {
                     return Err(format!("table {t}: column {name}: invalid JSON: {e}"));

@@ -42,10 +42,16 @@ pub async fn run(
     grants: &Grants,
     limits: &EffectLimits,
 ) -> TryReport {
-    let scope = ReadScope::new(tx, schema.clone(), Arc::new(grants.tables.clone()));
+    let scope = ReadScope::new(tx, schema.clone(), Arc::new(grants.tables.clone())).with_limits(limits);
     let HandleOutput { scope, result } = handler.handle(&message, scope).await;
     let reads = scope.reads;
-    let violation = scope.violation.clone();
+    // As in a real run: a store error during a read decides the attempt
+    // (the protocol re-runs or fails it), then a refused read, then the
+    // handler's own result.
+    let violation = match &scope.store_error {
+        Some(e) => Some(format!("store error: {e}")),
+        None => scope.violation.clone(),
+    };
     let mut tx = scope.into_transaction();
     let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>, retry_after_ms: Option<u64>| TryReport {
         message: message.clone(),
@@ -61,7 +67,7 @@ pub async fn run(
         (None, Ok(effects)) => {
             match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), grants, limits, &schema, &mut *tx) {
                 Ok(_) => report("ok", None, effects, None),
-                Err(e) => report("invalid-effects", Some(e), effects, None),
+                Err(e) => report("invalid-effects", Some(e.to_string()), effects, None),
             }
         }
         (None, Err(HandlerFailure::Retry { reason, delay })) => report("retry", Some(reason), vec![], delay.map(|d| d.as_millis() as u64)),

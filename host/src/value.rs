@@ -173,25 +173,25 @@ pub enum Effect {
 }
 
 impl Effect {
-    /// Approximate size in bytes, for the effect-bytes limit.
+    /// Size in bytes, for the effect-bytes limit: what is stored, plus
+    /// [`ITEM_OVERHEAD`] per effect, column and attribute/metadata pair, so
+    /// that empty items are not free (an attribute list is stored as JSON;
+    /// a row as one value per column).
     pub fn size(&self) -> usize {
-        match self {
-            Effect::Write(w) => w.table.len() + w.columns.iter().map(|(k, v)| k.len() + v.size()).sum::<usize>(),
-            Effect::Enqueue(f) => {
-                f.queue.len()
-                    + f.payload.len()
-                    + f.attributes.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
-                    + f.dedup_key.as_ref().map_or(0, String::len)
+        let pairs = |p: &[(String, String)]| p.iter().map(|(k, v)| ITEM_OVERHEAD + k.len() + v.len()).sum::<usize>();
+        ITEM_OVERHEAD
+            + match self {
+                Effect::Write(w) => w.table.len() + w.columns.iter().map(|(k, v)| ITEM_OVERHEAD + k.len() + v.size()).sum::<usize>(),
+                Effect::Enqueue(f) => f.queue.len() + f.payload.len() + pairs(&f.attributes) + f.dedup_key.as_ref().map_or(0, String::len),
+                Effect::Intent(i) => i.connector.len() + i.idempotency_key.len() + i.payload.len() + pairs(&i.metadata),
             }
-            Effect::Intent(i) => {
-                i.connector.len()
-                    + i.idempotency_key.len()
-                    + i.payload.len()
-                    + i.metadata.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
-            }
-        }
     }
 }
+
+/// Bytes counted for each effect, column, attribute and metadata pair on
+/// top of its contents (an empty pair still costs `["",""],` and an index
+/// entry).
+pub const ITEM_OVERHEAD: usize = 16;
 
 /// A new random id: 128 bits, hex. Random ids keep Spanner keys spread out.
 pub fn random_id() -> String {

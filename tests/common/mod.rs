@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod conformance;
+pub mod host;
 pub mod http;
 pub mod proxy;
 pub mod spanner;
@@ -143,7 +144,6 @@ pub fn runner(store: &Arc<dyn Store>, queue: &str, handler: Arc<dyn Handler>, gr
             grants,
             limits: EffectLimits::default(),
             policy,
-            key_retention: None,
         },
         store.clone(),
     ))
@@ -312,7 +312,7 @@ pub async fn check_payments(store: &dyn Store, n: usize, accounts: usize, balanc
     );
     let keys: std::collections::BTreeSet<String> = match delivered {
         None => {
-            let intents = onceq::app::outbox_list(store, Some("charge"), false, usize::MAX >> 2)
+            let intents = onceq::outbox::inspect::list(store, Some("charge"), false, usize::MAX >> 2)
                 .await
                 .unwrap();
             assert_eq!(intents.len(), charged.len(), "one charge intent per charged order");

@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use onceq::app;
 use onceq::config::{parse_duration, Config};
+use onceq::names::printable;
 use onceq::store::SendParams;
 use std::io::Read;
 use std::path::PathBuf;
@@ -180,7 +181,12 @@ enum DlqCommand {
 
 fn init_tracing(format: LogFormat, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only on a terminal: a log file or a pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     match format {
         LogFormat::Text => b.init(),
         LogFormat::Json => b.json().init(),
@@ -273,18 +279,46 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             delay,
             attributes,
         } => {
-            if queue.starts_with(onceq::outbox::RESERVED_PREFIX) {
-                anyhow::bail!("queue {queue}: names starting with \"onceq.\" are reserved (intents come from handlers)");
-            }
-            let store = app::open_store(&cfg).await?;
+            onceq::names::check_queue(&queue).map_err(|e| anyhow::anyhow!("{e} (intents come from handlers, through the outbox)"))?;
+            let max_delay = cfg
+                .queue(&queue)
+                .map(|q| q.effect_limits.max_delay)
+                .unwrap_or(onceq::protocol::effects::MAX_DELAY);
             let delay = match delay {
                 Some(d) => parse_duration("--delay", &d)?,
                 None => Default::default(),
             };
+            if delay > max_delay {
+                anyhow::bail!(
+                    "--delay {} is over the limit of {} (the queue's max_delay setting)",
+                    onceq::names::duration(delay),
+                    onceq::names::duration(max_delay)
+                );
+            }
             let attributes = attributes
                 .iter()
                 .map(|a| app::parse_attribute(a))
                 .collect::<anyhow::Result<Vec<_>>>()?;
+            if let Some((k, _)) = attributes.iter().find(|(k, _)| onceq::names::is_reserved(k)) {
+                anyhow::bail!("--attribute {k}: names starting with \"onceq.\" are set by onceq itself");
+            }
+            if let Some(k) = &dedup_key {
+                if k.len() > onceq::names::MAX_KEY_LEN {
+                    anyhow::bail!(
+                        "--dedup-key is {} bytes long, over the limit of {}",
+                        k.len(),
+                        onceq::names::MAX_KEY_LEN
+                    );
+                }
+            }
+            if cfg.queue(&queue).is_err() {
+                eprintln!(
+                    "warning: no [[queue]] named {queue} in {}: nothing here will process these messages (queues: {})",
+                    cli.config.display(),
+                    cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            let store = app::open_store(&cfg).await?;
             let payloads: Vec<Vec<u8>> = if let Some(src) = jsonl {
                 let mut text = String::new();
                 if src == "-" {
@@ -323,7 +357,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Run { until_empty } => {
-            let runners = app::run(&cfg, until_empty).await?;
+            let runners = app::run(&cfg, app::shutdown_signal(), until_empty).await?;
             for r in runners {
                 let m = &r.metrics;
                 use std::sync::atomic::Ordering::Relaxed;
@@ -341,7 +375,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Stats { json } => {
             let store = app::open_store(&cfg).await?;
             let stats = store.stats().await?;
-            let (queues, outbox) = app::outbox_stats(&stats);
+            let (queues, outbox) = onceq::outbox::inspect::split_stats(&stats);
             if json {
                 println!(
                     "{}",
@@ -350,7 +384,14 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
                 for q in &queues {
-                    println!("{:<24} {:>8} {:>8} {:>8} {:>8}", q.queue, q.ready, q.leased, q.delayed, q.dead);
+                    println!(
+                        "{:<24} {:>8} {:>8} {:>8} {:>8}",
+                        printable(&q.queue),
+                        q.ready,
+                        q.leased,
+                        q.delayed,
+                        q.dead
+                    );
                 }
                 if queues.is_empty() {
                     println!("(no messages)");
@@ -386,7 +427,15 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                         println!("{}", serde_json::to_string_pretty(&list)?);
                     } else {
                         for d in &list {
-                            println!("{}  {:<16} attempts={}  {}", d.id, d.queue, d.attempts, d.reason);
+                            // Queue and reason may come from a handler or a
+                            // producer: escaped, so they cannot drive the terminal.
+                            println!(
+                                "{}  {:<16} attempts={}  {}",
+                                d.id,
+                                printable(&d.queue),
+                                d.attempts,
+                                printable(&d.reason)
+                            );
                         }
                         if list.is_empty() {
                             println!("no dead letters");
@@ -460,7 +509,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     limit,
                     json,
                 } => {
-                    let list = app::outbox_list(store.as_ref(), connector.as_deref(), dead, limit).await?;
+                    let list = onceq::outbox::inspect::list(store.as_ref(), connector.as_deref(), dead, limit).await?;
                     if json {
                         println!("{}", serde_json::to_string_pretty(&list)?);
                     } else {
@@ -474,9 +523,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                                 e.intent.id,
                                 e.state,
                                 e.intent.connector,
-                                e.intent.idempotency_key,
+                                printable(&e.intent.idempotency_key),
                                 e.intent.attempt,
-                                e.reason.as_deref().unwrap_or("")
+                                printable(e.reason.as_deref().unwrap_or(""))
                             );
                         }
                         if list.is_empty() {
@@ -485,14 +534,15 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
                 OutboxCommand::Show { id } => {
-                    let e = app::outbox_get(store.as_ref(), &id).await?;
+                    let e = onceq::outbox::inspect::get(store.as_ref(), &id).await?;
                     println!("{}", serde_json::to_string_pretty(&e)?);
                 }
                 OutboxCommand::Replay { id } => {
-                    let e = app::outbox_replay(store.as_ref(), &id).await?;
+                    let e = onceq::outbox::inspect::replay(store.as_ref(), &id).await?;
                     println!(
                         "replayed intent {id} (connector {}, key {}): back in the outbox",
-                        e.intent.connector, e.intent.idempotency_key
+                        e.intent.connector,
+                        printable(&e.intent.idempotency_key)
                     );
                 }
             }

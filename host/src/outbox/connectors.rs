@@ -72,7 +72,9 @@ impl ConnectorConfig {
 }
 
 /// HTTP POST of the payload, with `Idempotency-Key` and the intent's
-/// metadata as headers.
+/// metadata as headers. Headers the operator configured (`headers`,
+/// `bearer_token_env`) and the host's own (`Idempotency-Key`,
+/// `Content-Length`, `Host`, `User-Agent`, ...) always win over metadata.
 ///
 /// - 2xx and 409 (the far side already has this key): delivered;
 /// - 408, 429 and 5xx: retried, after `Retry-After` if given;
@@ -152,8 +154,19 @@ impl Connector for Webhook {
                 reqwest::header::HeaderName::from_bytes(k.as_bytes()),
                 reqwest::header::HeaderValue::from_str(v),
             ) else {
-                return Delivery::Refused(format!("metadata {k:?} cannot be sent as an HTTP header"));
+                return Delivery::Refused(format!("metadata {} cannot be sent as an HTTP header", crate::names::quoted(k, 40)));
             };
+            // The operator's headers and the host's own always win: a
+            // handler cannot forge credentials, routing or framing. (The
+            // effect check refuses such names; this guards older intents.)
+            if self.headers.contains_key(&name) || crate::protocol::effects::is_protected_header(k) {
+                tracing::warn!(
+                    intent = %intent.idempotency_key,
+                    "intent metadata {} not sent: the header is set by the operator or the host",
+                    crate::names::quoted(k, 40)
+                );
+                continue;
+            }
             headers.insert(name, value);
         }
         let key = match reqwest::header::HeaderValue::from_str(&intent.idempotency_key) {

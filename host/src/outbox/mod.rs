@@ -28,58 +28,24 @@
 //! handler (never random).
 
 pub mod connectors;
+pub mod inspect;
 
 use crate::protocol::{EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, Policy, QueueRunner, QueueSpec, ReadScope};
-use crate::store::{SendParams, Store};
+use crate::store::Store;
 use crate::value::{Effect, Message};
 use async_trait::async_trait;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use connectors::{ConnectorConfig, Delivery};
+pub use inspect::{ConnectorStats, Entry};
 
-/// Queue names starting with this are onceq's own.
-pub const RESERVED_PREFIX: &str = "onceq.";
-/// A connector's outbox queue is this followed by the connector's name.
-pub const QUEUE_PREFIX: &str = "onceq.outbox.";
-/// Attribute carrying the intent's idempotency key.
-pub const KEY_ATTRIBUTE: &str = "onceq.idempotency-key";
-/// Attribute naming the queue whose message emitted the intent.
-pub const SOURCE_QUEUE_ATTRIBUTE: &str = "onceq.source-queue";
-/// Attribute naming the message that emitted the intent.
-pub const SOURCE_MESSAGE_ATTRIBUTE: &str = "onceq.source-message";
-/// Attribute naming the handler version that emitted the intent.
-pub const VERSION_ATTRIBUTE: &str = "onceq.handler-version";
-/// How long an undelivered intent's key is held: until it is delivered
-/// (then the retention window applies), for all practical purposes.
-pub const HOLD_UNTIL_DELIVERED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// The outbox queue of a connector.
-pub fn queue_of(connector: &str) -> String {
-    format!("{QUEUE_PREFIX}{connector}")
-}
-
-/// The connector of an outbox queue.
-pub fn connector_of(queue: &str) -> Option<&str> {
-    queue.strip_prefix(QUEUE_PREFIX)
-}
-
-/// The outbox message for an intent emitted while handling `msg`.
-pub fn intent_message(msg: &Message, intent: crate::value::Intent) -> SendParams {
-    let mut attributes = Vec::with_capacity(intent.metadata.len() + 3);
-    attributes.push((KEY_ATTRIBUTE.to_string(), intent.idempotency_key.clone()));
-    attributes.push((SOURCE_QUEUE_ATTRIBUTE.to_string(), msg.queue.clone()));
-    attributes.push((SOURCE_MESSAGE_ATTRIBUTE.to_string(), msg.id.clone()));
-    attributes.extend(intent.metadata);
-    SendParams {
-        queue: queue_of(&intent.connector),
-        payload: intent.payload,
-        attributes,
-        delay: Duration::ZERO,
-        dedup_key: Some(intent.idempotency_key),
-        dedup_window: Some(HOLD_UNTIL_DELIVERED),
-    }
-}
+pub use crate::names::{outbox_connector as connector_of, outbox_queue as queue_of};
+pub use crate::names::{
+    KEY_ATTRIBUTE, OUTBOX_QUEUE_PREFIX as QUEUE_PREFIX, RESERVED_PREFIX, SOURCE_MESSAGE_ATTRIBUTE, SOURCE_QUEUE_ATTRIBUTE,
+    VERSION_ATTRIBUTE,
+};
+pub use crate::protocol::effects::{intent_message, HOLD_UNTIL_DELIVERED};
 
 /// An intent as a connector sees it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -160,17 +126,24 @@ pub trait Connector: Send + Sync {
 }
 
 /// The handler of an outbox queue: delivers each intent through its
-/// connector. It reads nothing and returns no effects; the protocol acks
-/// the delivered intent (and keeps its key for the retention window).
+/// connector. It reads nothing and returns no effects; on a delivery it
+/// holds the intent's key for the retention window in the transaction it
+/// is given, and the protocol acks the intent in that same transaction.
 pub struct Dispatcher {
     connector: Arc<dyn Connector>,
     version: String,
+    /// How long a delivered intent's key is kept (`outbox.retention`).
+    retention: Duration,
 }
 
 impl Dispatcher {
-    pub fn new(name: &str, connector: Arc<dyn Connector>) -> Dispatcher {
+    pub fn new(name: &str, connector: Arc<dyn Connector>, retention: Duration) -> Dispatcher {
         let version = format!("connector:{}:{name}", connector.kind());
-        Dispatcher { connector, version }
+        Dispatcher {
+            connector,
+            version,
+            retention,
+        }
     }
 }
 
@@ -180,7 +153,7 @@ impl Handler for Dispatcher {
         &self.version
     }
 
-    async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput {
+    async fn handle(&self, msg: &Message, mut scope: ReadScope) -> HandleOutput {
         let intent = match Intent::from_message(msg) {
             Ok(i) => i,
             Err(e) => {
@@ -193,6 +166,9 @@ impl Handler for Dispatcher {
         let result = match self.connector.deliver(&intent).await {
             Delivery::Delivered(detail) => {
                 tracing::debug!(connector = %intent.connector, key = %intent.idempotency_key, "delivered: {detail}");
+                // Keep the key for the retention window, in the ack's
+                // transaction: a duplicate emission within it is dropped.
+                scope.transaction().dedup_hold(&msg.queue, &intent.idempotency_key, self.retention);
                 Ok(Vec::<Effect>::new())
             }
             Delivery::Retry { reason, after } => Err(HandlerFailure::Retry { reason, delay: after }),
@@ -238,7 +214,7 @@ pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, 
     QueueRunner::new(
         QueueSpec {
             name: queue_of(name),
-            handler: Arc::new(Dispatcher::new(name, connector)),
+            handler: Arc::new(Dispatcher::new(name, connector, s.retention)),
             grants: Grants::default(),
             limits: EffectLimits::default(),
             policy: Policy {
@@ -250,7 +226,6 @@ pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, 
                 batch: s.batch,
                 ..Policy::default()
             },
-            key_retention: Some(s.retention),
         },
         store,
     )

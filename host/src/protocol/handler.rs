@@ -69,6 +69,10 @@ pub struct ReadScope {
     pub store_error: Option<StoreError>,
     /// Number of reads served.
     pub reads: u64,
+    /// Bytes of rows returned so far.
+    pub read_bytes: usize,
+    max_reads: u64,
+    max_read_bytes: usize,
 }
 
 impl ReadScope {
@@ -80,7 +84,48 @@ impl ReadScope {
             violation: None,
             store_error: None,
             reads: 0,
+            read_bytes: 0,
+            max_reads: super::EffectLimits::default().max_reads,
+            max_read_bytes: super::EffectLimits::default().max_read_bytes,
         }
+    }
+
+    /// Bound the reads of this call (`max_reads`, `max_read_bytes`): every
+    /// read is recorded for the commit-time check, so a handler that reads
+    /// without end would make the host hold it all.
+    pub fn with_limits(mut self, limits: &super::EffectLimits) -> ReadScope {
+        self.max_reads = limits.max_reads;
+        self.max_read_bytes = limits.max_read_bytes;
+        self
+    }
+
+    /// Count a read against `max_reads`.
+    fn count_read(&mut self) -> Result<(), String> {
+        if self.reads >= self.max_reads {
+            return Err(self.refuse(format!("more than {} reads in one call (setting max_reads)", self.max_reads)));
+        }
+        self.reads += 1;
+        Ok(())
+    }
+
+    /// Count returned rows against `max_read_bytes`.
+    fn count_bytes<'r>(&mut self, rows: impl IntoIterator<Item = &'r Row>) -> Result<(), String> {
+        let n: usize = rows
+            .into_iter()
+            .map(|r| {
+                r.iter()
+                    .map(|(k, v)| crate::value::ITEM_OVERHEAD + k.len() + v.size())
+                    .sum::<usize>()
+            })
+            .sum();
+        self.read_bytes = self.read_bytes.saturating_add(n);
+        if self.read_bytes > self.max_read_bytes {
+            return Err(self.refuse(format!(
+                "reads returned more than {} bytes in one call (setting max_read_bytes)",
+                self.max_read_bytes
+            )));
+        }
+        Ok(())
     }
 
     /// Give the transaction back (for commit or rollback).
@@ -117,9 +162,12 @@ impl ReadScope {
     /// Point read by primary key.
     pub async fn get(&mut self, table: &str, key: &[Value]) -> Result<Option<Row>, String> {
         let t = self.check(table, key, false)?;
-        self.reads += 1;
+        self.count_read()?;
         match self.tx.row_get(&t, key).await {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                self.count_bytes(r.iter())?;
+                Ok(r)
+            }
             Err(e) => {
                 let msg = e.to_string();
                 self.store_error.get_or_insert(e);
@@ -132,9 +180,12 @@ impl ReadScope {
     /// [`crate::store::MAX_SCAN_ROWS`]).
     pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, String> {
         let t = self.check(table, prefix, true)?;
-        self.reads += 1;
+        self.count_read()?;
         match self.tx.row_scan(&t, prefix, limit as usize).await {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                self.count_bytes(r.iter())?;
+                Ok(r)
+            }
             Err(e) => {
                 let msg = e.to_string();
                 self.store_error.get_or_insert(e);

@@ -36,12 +36,13 @@
 
 pub mod effects;
 pub mod handler;
+pub mod retry;
 
 pub use effects::{EffectLimits, Grants};
 pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadScope};
+pub use retry::{jittered, Next, Rerun};
 
 use crate::store::{DeadLetterParams, LeaseParams, LeasedMessage, Store, StoreError};
-use rand::RngExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -94,9 +95,6 @@ pub struct QueueSpec {
     pub grants: Grants,
     pub limits: EffectLimits,
     pub policy: Policy,
-    /// Outbox queues: on ack, keep the message's idempotency key (its dedup
-    /// key) for this long, so a duplicate emission is dropped.
-    pub key_retention: Option<Duration>,
 }
 
 /// Counters for one queue (also what `make run` summarizes).
@@ -498,18 +496,25 @@ impl QueueRunner {
                 Err(e) => e,
             };
             match err {
-                AttemptError::Store(e) if (e.is_retryable() || e.is_unknown_outcome()) && reruns < self.spec.policy.max_reruns => {
-                    reruns += 1;
-                    if e.is_unknown_outcome() {
+                AttemptError::Store(e) if e.is_retryable() || e.is_unknown_outcome() => match self.spec.policy.rerun(&e, reruns) {
+                    Rerun::Now => {
+                        reruns += 1;
                         unknown_seen = true;
                         self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
                         info!("commit outcome unknown, re-running the message: {e}");
-                    } else {
+                    }
+                    Rerun::After(pause) => {
+                        reruns += 1;
                         self.metrics.aborted_reruns.fetch_add(1, Ordering::Relaxed);
                         debug!("transaction aborted, re-running: {e}");
-                        tokio::time::sleep(jittered(Duration::from_millis(1 << reruns.min(6)))).await;
+                        tokio::time::sleep(pause).await;
                     }
-                }
+                    Rerun::Stop => {
+                        return self
+                            .fail(lm, handler, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
+                            .await;
+                    }
+                },
                 AttemptError::Store(StoreError::LeaseLost { .. }) => {
                     return if unknown_seen {
                         info!("ack refused after an unknown commit outcome: the earlier commit landed");
@@ -538,7 +543,7 @@ impl QueueRunner {
     async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, committing: &AtomicBool) -> Result<(), AttemptError> {
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
-        let scope = ReadScope::new(tx, schema.clone(), self.tables.clone());
+        let scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
         let called = Instant::now();
         let HandleOutput { scope, result } = handler.handle(&lm.message, scope).await;
         hist_record(&self.metrics.handler_us, called.elapsed());
@@ -576,11 +581,6 @@ impl QueueRunner {
             }
         };
         tx.message_ack(&lm.lease);
-        if let Some(retention) = self.spec.key_retention {
-            if let Some((_, key)) = lm.message.attributes.iter().find(|(k, _)| k == crate::outbox::KEY_ATTRIBUTE) {
-                tx.dedup_hold(&lm.message.queue, key, retention);
-            }
-        }
         committing.store(true, Ordering::Release);
         let committed = tx.commit().await;
         committing.store(false, Ordering::Release);
@@ -592,26 +592,22 @@ impl QueueRunner {
         Ok(())
     }
 
-    fn backoff(&self, attempt: u32) -> Duration {
-        let p = &self.spec.policy;
-        let exp = p.backoff_initial.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
-        jittered(exp.min(p.backoff_max))
-    }
-
     /// Step 5: retry later or dead-letter, guarded by the lease token.
     async fn fail(&self, lm: &LeasedMessage, handler: &dyn Handler, failure: HandlerFailure, mut unknown_seen: bool) -> Outcome {
         let attempt = lm.message.attempt;
-        let max = self.spec.policy.max_attempts;
         let version = Some(handler.version().to_string());
         enum Step {
             Retry(Duration, String),
             Dead(String),
         }
-        let step = match &failure {
-            HandlerFailure::Reject(_) => Step::Dead(failure.to_string()),
-            _ if attempt >= max => Step::Dead(format!("{failure} (gave up after {attempt} attempts)")),
-            HandlerFailure::Retry { delay, .. } => Step::Retry(delay.unwrap_or_else(|| self.backoff(attempt)), failure.to_string()),
-            HandlerFailure::Failed(_) => Step::Retry(self.backoff(attempt), failure.to_string()),
+        // A reason is stored and shown: keep it bounded, whatever its source.
+        let step = match self.spec.policy.after_failure(&failure, attempt, self.spec.limits.max_delay) {
+            Next::RetryAfter(d) => Step::Retry(d, crate::names::reason(&failure.to_string())),
+            Next::DeadLetter if matches!(failure, HandlerFailure::Reject(_)) => Step::Dead(crate::names::reason(&failure.to_string())),
+            Next::DeadLetter => Step::Dead(crate::names::reason(&format!(
+                "{failure} (gave up after {attempt} attempt{})",
+                if attempt == 1 { "" } else { "s" }
+            ))),
         };
         let mut tries = 0;
         loop {
@@ -649,7 +645,7 @@ impl QueueRunner {
                 Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && tries < self.spec.policy.max_reruns => {
                     tries += 1;
                     unknown_seen |= e.is_unknown_outcome();
-                    tokio::time::sleep(jittered(Duration::from_millis(1 << tries.min(6)))).await;
+                    tokio::time::sleep(retry::rerun_pause(tries)).await;
                 }
                 Err(e) => {
                     warn!(
@@ -660,12 +656,6 @@ impl QueueRunner {
             }
         }
     }
-}
-
-/// `d` ± 20 %.
-pub fn jittered(d: Duration) -> Duration {
-    let f: f64 = rand::rng().random_range(0.8..1.2);
-    d.mul_f64(f)
 }
 
 async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {

@@ -7,10 +7,16 @@
 //! - **Isolation**: a fresh instance per message, from a cached
 //!   `InstancePre`, with the pooling allocator (so instantiation is cheap);
 //!   no state leaks from one message to the next.
-//! - **Limits**: an epoch deadline per call (a 10 ms ticker; the call traps
-//!   after its deadline), a linear-memory cap, and (in the protocol) bounds
-//!   on the effects. A trap, a deadline, a memory-limit hit or `exit` is a
+//! - **Limits**: a wall-clock deadline per call that holds whatever the
+//!   guest does: an epoch deadline stops a guest that computes (a 10 ms
+//!   ticker), and a timer around the whole call stops one blocked in a
+//!   host call (a pollable, a long read); a linear-memory cap; a cap on the
+//!   bytes it may log; and (in the protocol) bounds on its reads and
+//!   effects. A trap, a deadline, a memory-limit hit or `exit` is a
 //!   [`HandlerFailure::Failed`] with a reason — never a host crash.
+//! - **Export type check** at deploy: `handle` must have the signature of
+//!   `wit/handler.wit`, not only the name, so a component built against
+//!   another WIT is refused at `onceq check`/deploy, not at every message.
 
 pub mod cache;
 pub mod wasi;
@@ -85,6 +91,10 @@ pub struct HandlerLimits {
     pub deadline: Duration,
     /// Linear memory cap, bytes.
     pub memory: usize,
+    /// Bytes a call may write through the `log` import (`max_log_bytes`);
+    /// past it, lines are dropped and one warning says so. stdout and
+    /// stderr are captured up to [`wasi::STDIO_CAPACITY`] each.
+    pub max_log_bytes: usize,
 }
 
 impl Default for HandlerLimits {
@@ -92,6 +102,7 @@ impl Default for HandlerLimits {
         HandlerLimits {
             deadline: Duration::from_secs(1),
             memory: 64 << 20,
+            max_log_bytes: 1 << 20,
         }
     }
 }
@@ -111,6 +122,8 @@ pub enum DeployError {
     NoHandlerExport(Vec<String>),
     #[error("the component does not fit the onceq:handler world: {0}")]
     WrongWorld(String),
+    #[error("the component's onceq:handler/handler export does not match wit/handler.wit: {0}; rebuild it against this onceq's WIT")]
+    WrongSignature(String),
 }
 
 /// What `onceq check` prints.
@@ -240,6 +253,7 @@ impl Runtime {
         if !info.exports.iter().any(|e| wasi::unversioned(e) == "onceq:handler/handler") {
             return Err(DeployError::NoHandlerExport(info.exports));
         }
+        self.check_export_types(&component)?;
         let pre = self
             .linker
             .instantiate_pre(&component)
@@ -253,6 +267,36 @@ impl Runtime {
             pre,
             version: info.version,
             limits,
+        })
+    }
+
+    /// Type-check the `handle` export against the host's bindings (the same
+    /// check wasmtime makes when an instance is loaded, made once here).
+    /// `instance_type` is wasmtime's hidden API for exactly this; wasmtime
+    /// is pinned, and `tests/hostile.rs` fails if the check stops working.
+    fn check_export_types(&self, component: &Component) -> Result<(), DeployError> {
+        use wasmtime::component::types::ComponentItem;
+        let ty = component.component_type();
+        let Some((name, ComponentItem::ComponentInstance(inst))) = ty
+            .exports(&self.engine)
+            .map(|(n, e)| (n, e.ty))
+            .find(|(n, _)| wasi::unversioned(n) == "onceq:handler/handler")
+        else {
+            return Err(DeployError::WrongSignature("onceq:handler/handler is not an instance".into()));
+        };
+        let Some(ComponentItem::ComponentFunc(func)) = inst.get_export(&self.engine, "handle").map(|e| e.ty) else {
+            return Err(DeployError::WrongSignature(format!("{name} has no function named handle")));
+        };
+        type Params = (wit::Message,);
+        type Results = (Result<Vec<wit::Effect>, wit::HandlerError>,);
+        func.typecheck::<Params, Results>(&ty.instance_type()).map_err(|e| {
+            let params: Vec<String> = func.params().map(|(n, t)| format!("{n}: {}", type_name(&t))).collect();
+            let results: Vec<String> = func.results().map(|t| type_name(&t)).collect();
+            DeployError::WrongSignature(format!(
+                "handle is func({}) -> {} ({e:#}); expected func(msg: message) -> result<list<effect>, handler-error>",
+                params.join(", "),
+                if results.is_empty() { "()".to_string() } else { results.join(", ") }
+            ))
         })
     }
 
@@ -277,6 +321,21 @@ impl Runtime {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+}
+
+/// A short name for a component-model type, for error messages.
+fn type_name(t: &wasmtime::component::Type) -> String {
+    use wasmtime::component::Type;
+    match t {
+        Type::String => "string".into(),
+        Type::List(l) => format!("list<{}>", type_name(&l.ty())),
+        Type::Record(_) => "record".into(),
+        Type::Variant(_) => "variant".into(),
+        Type::Result(_) => "result".into(),
+        Type::Option(o) => format!("option<{}>", type_name(&o.ty())),
+        Type::Tuple(_) => "tuple".into(),
+        other => format!("{other:?}").to_lowercase().chars().take(24).collect(),
     }
 }
 
@@ -326,6 +385,9 @@ pub struct HostState {
     ticks: u64,
     deadline_ticks: u64,
     timed_out: bool,
+    /// Bytes logged through the `log` import so far, and the cap.
+    log_bytes: usize,
+    max_log_bytes: usize,
 }
 
 impl wasmtime_wasi::WasiView for HostState {
@@ -424,6 +486,9 @@ impl bindings::onceq::handler::store::Host for HostState {
 impl bindings::onceq::handler::log::Host for HostState {
     async fn log(&mut self, level: bindings::onceq::handler::log::Level, message: String) {
         use bindings::onceq::handler::log::Level;
+        let Some(message) = self.admit_log(message) else {
+            return;
+        };
         match level {
             Level::Trace => tracing::trace!(target: "onceq::guest", "{message}"),
             Level::Debug => tracing::debug!(target: "onceq::guest", "{message}"),
@@ -431,6 +496,27 @@ impl bindings::onceq::handler::log::Host for HostState {
             Level::Warn => tracing::warn!(target: "onceq::guest", "{message}"),
             Level::Error => tracing::error!(target: "onceq::guest", "{message}"),
         }
+    }
+}
+
+impl HostState {
+    /// Count a log line against `max_log_bytes`: `None` once over (one
+    /// warning says so), else the line with control characters escaped so
+    /// a guest cannot drive the operator's terminal.
+    fn admit_log(&mut self, message: String) -> Option<String> {
+        if self.log_bytes > self.max_log_bytes {
+            return None;
+        }
+        self.log_bytes = self.log_bytes.saturating_add(message.len());
+        if self.log_bytes > self.max_log_bytes {
+            tracing::warn!(
+                target: "onceq::guest",
+                "guest log over {} bytes in one call (setting max_log_bytes): further lines of this call dropped",
+                self.max_log_bytes
+            );
+            return None;
+        }
+        Some(crate::names::printable(&message))
     }
 }
 
@@ -460,6 +546,8 @@ impl WasmHandler {
             ticks: 0,
             deadline_ticks,
             timed_out: false,
+            log_bytes: 0,
+            max_log_bytes: self.limits.max_log_bytes,
         };
         let mut store = Store::new(engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -499,17 +587,17 @@ impl WasmHandler {
 fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
     let out = wasi.stdout.contents();
     for line in String::from_utf8_lossy(&out).lines().filter(|l| !l.is_empty()) {
-        tracing::info!(target: "onceq::guest", stream = "stdout", "{line}");
+        tracing::info!(target: "onceq::guest", stream = "stdout", "{}", crate::names::printable(line));
     }
     let err = wasi.stderr.contents();
     let text = String::from_utf8_lossy(&err);
     for line in text.lines().filter(|l| !l.is_empty()) {
-        tracing::info!(target: "onceq::guest", stream = "stderr", "{line}");
+        tracing::info!(target: "onceq::guest", stream = "stderr", "{}", crate::names::printable(line));
     }
     text.lines()
         .rev()
         .find(|l| !l.trim().is_empty() && !l.starts_with("note:"))
-        .map(|l| l.trim().to_string())
+        .map(|l| crate::names::truncated(l.trim(), 1024))
 }
 
 #[async_trait]
@@ -520,7 +608,18 @@ impl Handler for WasmHandler {
 
     async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput {
         let mut store = self.new_store(msg, scope);
-        let r = self.call(&mut store, msg).await;
+        // The epoch deadline stops a guest that computes; this timer stops
+        // one that waits in a host call (a pollable, a slow read), which the
+        // epoch does not see. Dropping the call cancels the guest; its store
+        // is dropped below, never reused. The timer gets one tick more, so a
+        // computing guest is named by the epoch (with its stack) first.
+        let r = match tokio::time::timeout(self.limits.deadline + EPOCH_TICK, self.call(&mut store, msg)).await {
+            Ok(r) => r,
+            Err(_) => {
+                store.data_mut().timed_out = true;
+                Err(wasmtime::Error::msg("deadline exceeded while the guest waited in a host call"))
+            }
+        };
         let state = store.into_data();
         let last_stderr = drain_stdio(&state.wasi);
         let result = match r {

@@ -7,7 +7,10 @@
 //! - `wasi:cli/environment`: no variables, no arguments, no cwd;
 //! - `wasi:cli/stdin`: empty; `stdout`/`stderr`: captured into the message's
 //!   log; `exit`: ends the call as a failure;
-//! - `wasi:clocks/*`: both clocks read the message's logical time;
+//! - `wasi:clocks/*`: both clocks read the message's logical time; a
+//!   pollable on the monotonic clock (what `sleep` waits on) is ready at
+//!   once: logical time does not pass during a call, so there is nothing
+//!   to wait for, and a sleeping guest cannot hold a worker;
 //! - `wasi:random/*`: seeded from the message id;
 //! - `wasi:io/*`: the streams and pollables the above need.
 //!
@@ -96,6 +99,8 @@ impl HostMonotonicClock for FixedMonotonic {
 /// Per-message WASI state.
 pub struct DeterministicWasi {
     pub ctx: WasiCtx,
+    /// What the monotonic clock reads, nanoseconds.
+    pub monotonic_ns: u64,
     pub stdout: MemoryOutputPipe,
     pub stderr: MemoryOutputPipe,
 }
@@ -106,16 +111,74 @@ impl DeterministicWasi {
         let stdout = MemoryOutputPipe::new(STDIO_CAPACITY);
         let stderr = MemoryOutputPipe::new(STDIO_CAPACITY);
         let now = Duration::from_micros(u64::try_from(now_us).unwrap_or(0));
+        let monotonic_ns = u64::try_from(now.as_nanos()).unwrap_or(u64::MAX);
         let ctx = WasiCtxBuilder::new()
             .stdout(stdout.clone())
             .stderr(stderr.clone())
             .wall_clock(FixedWall(now))
-            .monotonic_clock(FixedMonotonic(u64::try_from(now.as_nanos()).unwrap_or(u64::MAX)))
+            .monotonic_clock(FixedMonotonic(monotonic_ns))
             .secure_random(rand::rngs::StdRng::seed_from_u64(seed))
             .insecure_random(rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15))
             .insecure_random_seed(u128::from(seed))
             .build();
-        DeterministicWasi { ctx, stdout, stderr }
+        DeterministicWasi {
+            ctx,
+            monotonic_ns,
+            stdout,
+            stderr,
+        }
+    }
+}
+
+/// The monotonic clock of a call: fixed at the message's logical time, its
+/// pollables ready at once ([`ReadyAtOnce`]).
+pub struct LogicalClock;
+
+impl HasData for LogicalClock {
+    type Data<'a> = LogicalClockView<'a>;
+}
+
+pub struct LogicalClockView<'a> {
+    now_ns: u64,
+    table: &'a mut ResourceTable,
+}
+
+/// A pollable that is ready at once; it yields to tokio the first time
+/// (as wasmtime-wasi's zero-duration deadline does) so a guest polling in
+/// a loop does not starve other tasks. The epoch deadline bounds the loop.
+struct ReadyAtOnce {
+    yielded: bool,
+}
+
+#[async_trait::async_trait]
+impl wasmtime_wasi_io::poll::Pollable for ReadyAtOnce {
+    async fn ready(&mut self) {
+        if !self.yielded {
+            self.yielded = true;
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+impl LogicalClockView<'_> {
+    fn ready(&mut self) -> wasmtime::Result<wasmtime::component::Resource<wasmtime_wasi_io::poll::DynPollable>> {
+        let r = self.table.push(ReadyAtOnce { yielded: false })?;
+        wasmtime_wasi_io::poll::subscribe(self.table, r)
+    }
+}
+
+impl wasmtime_wasi::p2::bindings::clocks::monotonic_clock::Host for LogicalClockView<'_> {
+    fn now(&mut self) -> wasmtime::Result<u64> {
+        Ok(self.now_ns)
+    }
+    fn resolution(&mut self) -> wasmtime::Result<u64> {
+        Ok(1_000)
+    }
+    fn subscribe_instant(&mut self, _when: u64) -> wasmtime::Result<wasmtime::component::Resource<wasmtime_wasi_io::poll::DynPollable>> {
+        self.ready()
+    }
+    fn subscribe_duration(&mut self, _d: u64) -> wasmtime::Result<wasmtime::component::Resource<wasmtime_wasi_io::poll::DynPollable>> {
+        self.ready()
     }
 }
 
@@ -141,7 +204,10 @@ pub fn add_to_linker(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
     io::poll::add_to_linker::<HostState, HasIo>(l, |t| &mut t.table)?;
     io::streams::add_to_linker::<HostState, HasIo>(l, |t| &mut t.table)?;
     clocks::wall_clock::add_to_linker::<HostState, WasiClocks>(l, wasmtime_wasi::clocks::WasiClocksView::clocks)?;
-    clocks::monotonic_clock::add_to_linker::<HostState, WasiClocks>(l, wasmtime_wasi::clocks::WasiClocksView::clocks)?;
+    clocks::monotonic_clock::add_to_linker::<HostState, LogicalClock>(l, |t| LogicalClockView {
+        now_ns: t.wasi.monotonic_ns,
+        table: &mut t.table,
+    })?;
     random::random::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;
     random::insecure::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;
     random::insecure_seed::add_to_linker::<HostState, WasiRandom>(l, |t| WasiRandomView::random(t))?;

@@ -8,7 +8,8 @@
 //!   `UnknownOutcome` too (the request never arrived).
 //!
 //! The caller cannot tell the two apart, exactly as in production; the
-//! protocol must resolve both by re-running the message.
+//! protocol must resolve both by re-running the message. It can also make
+//! lease renewals fail and handler reads hang.
 
 use super::*;
 use rand::{RngExt, SeedableRng};
@@ -27,6 +28,9 @@ pub struct FaultPlan {
     /// Every lease renewal fails with `Unavailable` (a worker cut off from
     /// the database while its handler runs).
     pub renewals_fail: bool,
+    /// Every handler read waits this long before it answers (a database
+    /// that stops answering mid-transaction).
+    pub read_delay: Option<Duration>,
     /// RNG seed, so a failing run can be replayed.
     pub seed: u64,
 }
@@ -165,12 +169,21 @@ struct FaultyTransaction {
     injector: Arc<Injector>,
 }
 
+/// Wait `delay`, if any (a store that stops answering).
+async fn hang(delay: Option<Duration>) {
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
+    }
+}
+
 #[async_trait]
 impl Transaction for FaultyTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        hang(self.injector.plan.read_delay).await;
         self.inner.row_get(table, key).await
     }
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        hang(self.injector.plan.read_delay).await;
         self.inner.row_scan(table, prefix, limit).await
     }
     fn row_write(&mut self, write: ValidWrite) {

@@ -44,6 +44,12 @@ pub enum StoreError {
     /// was leased again, or it was already acknowledged.
     #[error("lease lost on message {message_id} (expired and re-leased, or already acknowledged)")]
     LeaseLost { message_id: String },
+    /// A guarded statement (`ASSERT_ROWS_MODIFIED 1`) found no row to change
+    /// (Spanner's `OUT_OF_RANGE`). The store maps it to [`Self::LeaseLost`]
+    /// where the statement was a lease guard; the transaction is rolled
+    /// back, never committed without it.
+    #[error("assertion failed: {0}")]
+    AssertionFailed(String),
     /// The database refused a write the handler asked for (a constraint:
     /// duplicate key on insert, missing row on update, ...).
     #[error("write refused by the database: {0}")]
@@ -69,6 +75,18 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// Cap on the rows one scan may return to a handler (both stores enforce it).
 pub const MAX_SCAN_ROWS: usize = 1000;
 
+/// The furthest ahead a store schedules anything (a delay, a lease, a dedup
+/// window); longer durations are cut to it. Times are `INT64` microseconds:
+/// without the cut, `now + u64::MAX ms` would overflow (SQLite turns it into
+/// a REAL that no reader expects). The settings (`max_delay`, lease limits)
+/// refuse far less than this first; this is the store's own guard.
+pub const MAX_SCHEDULE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// A duration as the stores' microseconds, cut to [`MAX_SCHEDULE`].
+pub fn micros(d: Duration) -> i64 {
+    i64::try_from(d.min(MAX_SCHEDULE).as_micros()).unwrap_or(i64::MAX)
+}
+
 /// A read a handler made, recorded so the commit can run it again and abort
 /// if the answer changed (optimistic concurrency, used by both stores).
 pub(crate) struct ReadRecord {
@@ -93,7 +111,11 @@ impl ReadRecord {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     pub queue: String,
+    /// The message's id, as handlers see it, on every store.
     pub message_id: String,
+    /// Where the store keeps the message: Spanner's hash shard (the first
+    /// primary-key column); 0 on SQLite.
+    pub shard: i64,
     pub token: String,
 }
 

@@ -90,7 +90,7 @@ fn classify(e: google_cloud_spanner::Error) -> StoreError {
     if let Some(status) = e.status() {
         return match status.code {
             Code::Aborted => StoreError::Aborted(text),
-            Code::OutOfRange => StoreError::Permanent(format!("assertion failed: {text}")),
+            Code::OutOfRange => StoreError::AssertionFailed(text),
             Code::AlreadyExists | Code::NotFound | Code::FailedPrecondition | Code::InvalidArgument => StoreError::WriteRefused(text),
             Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Internal => {
                 StoreError::UnknownOutcome(text)
@@ -200,10 +200,6 @@ fn shard_of(id: &str, shards: u32) -> i64 {
         h = (h ^ u32::from(*b)).wrapping_mul(16_777_619);
     }
     i64::from(h % shards.max(1))
-}
-
-fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 fn attrs_to_json(a: &[(String, String)]) -> String {
@@ -542,7 +538,7 @@ where
 /// `LeaseLost`.
 fn lease_error(e: StoreError, lease: &Lease) -> StoreError {
     match e {
-        StoreError::Permanent(m) if m.starts_with("assertion failed") => StoreError::LeaseLost {
+        StoreError::AssertionFailed(_) => StoreError::LeaseLost {
             message_id: lease.message_id.clone(),
         },
         other => other,
@@ -567,24 +563,17 @@ fn message_from_row(queue: &str, token: &str, r: &google_cloud_spanner::result::
         },
         lease: Lease {
             queue: queue.to_string(),
-            message_id: format!("{shard}/{id}"),
+            message_id: id.clone(),
+            shard,
             token: token.to_string(),
         },
         lease_until: r.get(6).map_err(classify)?,
     })
 }
 
-/// Lease message ids carry their shard: `"{shard}/{id}"`.
+/// Where a leased message lives: (shard, id).
 fn split_lease_id(lease: &Lease) -> (i64, String) {
-    match lease.message_id.split_once('/') {
-        Some((s, id)) => (s.parse().unwrap_or(0), id.to_string()),
-        None => (0, lease.message_id.clone()),
-    }
-}
-
-/// The message id as handlers see it.
-pub fn message_id(lease: &Lease) -> String {
-    split_lease_id(lease).1
+    (lease.shard, lease.message_id.clone())
 }
 
 async fn send_in(

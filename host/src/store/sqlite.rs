@@ -313,10 +313,6 @@ fn queue_condition(q: Queues<'_>, n: usize) -> (String, String) {
     }
 }
 
-fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
-
 /// Insert one message (honouring its dedup key) on an open write
 /// transaction. The key is claimed first, in one statement (a live key
 /// makes it a no-op), so the common case is two statements.
@@ -436,6 +432,14 @@ impl SqliteStore {
         configure(&conn, options)?;
         conn.execute_batch(SYSTEM_DDL).context("creating onceq tables")?;
         conn.execute_batch(business_ddl).context("applying the schema file")?;
+        // Repair times that overflowed to REAL before delays were bounded
+        // (a `u64::MAX` ms delay): they made stats and readiness fail.
+        let far = micros(MAX_SCHEDULE);
+        conn.execute_batch(&format!(
+            "UPDATE onceq_messages SET visible_at = {NOW} + {far} WHERE typeof(visible_at) <> 'integer';
+             UPDATE onceq_dedup SET expires_at = {NOW} + {far} WHERE typeof(expires_at) <> 'integer';"
+        ))
+        .context("repairing overflowed times")?;
         drop(conn);
         Self::open(path, options)
     }
@@ -565,6 +569,7 @@ impl Store for SqliteStore {
                             lease: Lease {
                                 queue: p.queue.clone(),
                                 message_id: r.get(0)?,
+                                shard: 0,
                                 token: token.clone(),
                             },
                             lease_until: r.get(5)?,

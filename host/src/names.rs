@@ -1,0 +1,248 @@
+//! What names are: queue and connector names, onceq's reserved prefix and
+//! attribute names, idempotency keys, and how text a handler or a producer
+//! chose is made safe to show.
+//!
+//! A leaf module: it imports nothing of onceq's, so the protocol, the outbox,
+//! the config and the CLI can all ask it without depending on each other.
+//! Every check here is applied where the name enters the host (a config
+//! file, `onceq send`, a handler's effect), so a name that would park a
+//! message where no queue serves it is refused with the reason, not stored.
+
+/// Queue names starting with this (in any case) are onceq's own.
+pub const RESERVED_PREFIX: &str = "onceq.";
+/// A connector's outbox queue is this followed by the connector's name.
+pub const OUTBOX_QUEUE_PREFIX: &str = "onceq.outbox.";
+/// Attribute carrying an intent's idempotency key.
+pub const KEY_ATTRIBUTE: &str = "onceq.idempotency-key";
+/// Attribute naming the queue whose message emitted an intent.
+pub const SOURCE_QUEUE_ATTRIBUTE: &str = "onceq.source-queue";
+/// Attribute naming the message that emitted an intent.
+pub const SOURCE_MESSAGE_ATTRIBUTE: &str = "onceq.source-message";
+/// Attribute naming the handler version that emitted an intent.
+pub const VERSION_ATTRIBUTE: &str = "onceq.handler-version";
+
+/// Longest queue or connector name, in bytes.
+pub const MAX_NAME_LEN: usize = 128;
+/// Longest idempotency key or dedup key, in bytes.
+pub const MAX_KEY_LEN: usize = 512;
+/// Longest reason (retry, reject, failure) kept with a message or a dead
+/// letter; a longer one is cut, saying how long it was.
+pub const MAX_REASON_LEN: usize = 4096;
+
+/// The outbox queue of a connector.
+pub fn outbox_queue(connector: &str) -> String {
+    format!("{OUTBOX_QUEUE_PREFIX}{connector}")
+}
+
+/// The connector of an outbox queue.
+pub fn outbox_connector(queue: &str) -> Option<&str> {
+    queue.strip_prefix(OUTBOX_QUEUE_PREFIX)
+}
+
+/// Why a name was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("{what} name is empty")]
+    Empty { what: &'static str },
+    #[error("{what} name {shown} is {len} bytes long, over the limit of {MAX_NAME_LEN}")]
+    TooLong { what: &'static str, shown: String, len: usize },
+    #[error("{what} name {shown}: use letters, digits, '-', '_' or '.'")]
+    BadCharacter { what: &'static str, shown: String },
+    #[error("{what} name {shown}: names starting with \"onceq.\" (in any case) are reserved for onceq")]
+    Reserved { what: &'static str, shown: String },
+}
+
+/// Is `name` in onceq's reserved namespace? Case-insensitive, so
+/// `ONCEQ.outbox.x` cannot pass for a user queue either.
+pub fn is_reserved(name: &str) -> bool {
+    name.len() >= RESERVED_PREFIX.len() && name.as_bytes()[..RESERVED_PREFIX.len()].eq_ignore_ascii_case(RESERVED_PREFIX.as_bytes())
+}
+
+/// Check the characters and length of a queue or connector name, without
+/// the reserved-prefix rule (outbox queues are onceq's own names).
+pub fn check_chars(what: &'static str, name: &str) -> Result<(), NameError> {
+    if name.is_empty() {
+        return Err(NameError::Empty { what });
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(NameError::TooLong {
+            what,
+            shown: quoted(name, 40),
+            len: name.len(),
+        });
+    }
+    if !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+        return Err(NameError::BadCharacter {
+            what,
+            shown: quoted(name, 40),
+        });
+    }
+    Ok(())
+}
+
+/// A name a user may give a queue (config, `onceq send`, a follow-up):
+/// letters, digits, `-`, `_`, `.`, at most [`MAX_NAME_LEN`] bytes, not in
+/// the reserved namespace.
+pub fn check_queue(name: &str) -> Result<(), NameError> {
+    check_chars("queue", name)?;
+    if is_reserved(name) {
+        return Err(NameError::Reserved {
+            what: "queue",
+            shown: quoted(name, 40),
+        });
+    }
+    Ok(())
+}
+
+/// A connector name (its outbox queue is `onceq.outbox.<name>`).
+pub fn check_connector(name: &str) -> Result<(), NameError> {
+    check_chars("connector", name)
+}
+
+/// An idempotency key travels as an HTTP header value and is shown in
+/// terminals: visible ASCII (and spaces inside), at most [`MAX_KEY_LEN`]
+/// bytes.
+pub fn check_key(what: &str, key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err(format!("{what} is empty"));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(format!("{what} is {} bytes long, over the limit of {MAX_KEY_LEN}", key.len()));
+    }
+    if key.starts_with(' ') || key.ends_with(' ') || !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(format!(
+            "{what} {} must be visible ASCII (letters, digits, punctuation; no control characters, no leading or trailing space)",
+            quoted(key, 40)
+        ));
+    }
+    Ok(())
+}
+
+/// `text` with every control character (ANSI/OSC escapes, carriage
+/// returns, bells...) shown as an escape (`\u{1b}`), so what a handler or a
+/// producer chose cannot drive a terminal. Newlines and tabs are escaped
+/// too: one record, one line.
+pub fn printable(text: &str) -> String {
+    if !text.chars().any(needs_escape) {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if needs_escape(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn needs_escape(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary), saying how
+/// long it was when cut.
+pub fn truncated(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… (cut: {} bytes in all)", &text[..end], text.len())
+}
+
+/// A reason as stored with a message or a dead letter: at most
+/// [`MAX_REASON_LEN`] bytes.
+pub fn reason(text: &str) -> String {
+    truncated(text, MAX_REASON_LEN)
+}
+
+/// A duration as a person writes it in `onceq.toml`: the largest whole unit
+/// (`365d`, `1h`, `90s`, `250ms`), else humantime's spelling.
+pub fn duration(d: std::time::Duration) -> String {
+    const UNITS: [(u128, &str); 5] = [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1000, "s"), (1, "ms")];
+    let ms = d.as_millis();
+    if d.subsec_nanos() % 1_000_000 == 0 {
+        if ms == 0 {
+            return "0s".into();
+        }
+        for (unit, name) in UNITS {
+            if ms % unit == 0 {
+                return format!("{}{name}", ms / unit);
+            }
+        }
+    }
+    humantime::format_duration(d).to_string()
+}
+
+/// `"name"`, printable and cut to `max` characters, for error messages.
+pub fn quoted(name: &str, max: usize) -> String {
+    let shown: String = name.chars().take(max).collect();
+    let more = if name.chars().count() > max { "…" } else { "" };
+    format!("\"{}{more}\"", printable(&shown))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn queue_names_are_checked_with_the_reason() {
+        assert!(check_queue("payments").is_ok());
+        assert!(check_queue("a.b-c_D9").is_ok());
+        assert_eq!(check_queue(""), Err(NameError::Empty { what: "queue" }));
+        for bad in ["a b", "../../etc/passwd", "ümlaut", "new\nline"] {
+            let e = check_queue(bad).unwrap_err().to_string();
+            assert!(e.contains("use letters, digits"), "{bad}: {e}");
+        }
+        let long = "q".repeat(100_000);
+        let e = check_queue(&long).unwrap_err().to_string();
+        assert!(e.contains("100000 bytes long, over the limit of 128") && e.len() < 200, "{e}");
+        for reserved in ["onceq.outbox.x", "ONCEQ.outbox.x", "Onceq.anything"] {
+            let e = check_queue(reserved).unwrap_err().to_string();
+            assert!(e.contains("reserved"), "{reserved}: {e}");
+        }
+        assert!(check_queue("onceqx").is_ok(), "only the prefix with its dot is reserved");
+    }
+
+    #[test]
+    fn durations_print_in_whole_units() {
+        use std::time::Duration;
+        assert_eq!(duration(Duration::from_secs(365 * 86_400)), "365d");
+        assert_eq!(duration(Duration::from_secs(3600)), "1h");
+        assert_eq!(duration(Duration::from_secs(90)), "90s");
+        assert_eq!(duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(duration(Duration::ZERO), "0s");
+        assert_eq!(duration(Duration::from_micros(1500)), "1ms 500us");
+    }
+
+    #[test]
+    fn keys_must_be_visible_ascii() {
+        assert!(check_key("idempotency key", "order-42:charge").is_ok());
+        assert!(check_key("idempotency key", "").is_err());
+        assert!(check_key("idempotency key", "a\r\nx-forged: 1").is_err());
+        assert!(check_key("idempotency key", " padded").is_err());
+        assert!(check_key("idempotency key", "é").is_err());
+        assert!(check_key("idempotency key", &"k".repeat(513)).is_err());
+    }
+
+    #[test]
+    fn control_characters_are_escaped_and_long_text_is_cut() {
+        assert_eq!(printable("plain text"), "plain text");
+        let evil = "ok\u{1b}]8;;http://x\u{7}click\u{1b}[2J\r";
+        let shown = printable(evil);
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+        assert!(shown.contains("\\u{1b}]8;;http://x\\u{7}click"), "{shown}");
+        assert!(!printable("a\u{202e}b").contains('\u{202e}'));
+        let cut = truncated(&"é".repeat(10), 5);
+        assert_eq!(cut, "éé… (cut: 20 bytes in all)");
+        assert_eq!(
+            reason(&"x".repeat(10 << 20)).len(),
+            MAX_REASON_LEN + "… (cut: 10485760 bytes in all)".len()
+        );
+    }
+}

@@ -1,0 +1,647 @@
+//! The hostile suite: an attacker's handler (`guest-examples/fixtures/
+//! hostile`, written against the raw WIT, not our SDK), an impostor
+//! component, and hostile producers and HTTP clients.
+//!
+//! Each case asserts what an operator would check: the clear error (naming
+//! the limit and its setting where there is one), that the host stays up and
+//! goes on processing (a harmless `ok` message sent after each attack is
+//! acked), and that nothing is lost (the attack is acked or dead-lettered,
+//! never left parked).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::host::Host;
+use common::http::Receiver;
+use common::*;
+use onceq::protocol::{EffectLimits, Policy};
+use onceq::runtime::HandlerLimits;
+use onceq::store::faulty::{FaultPlan, FaultyStore};
+use onceq::store::{Queues, Store};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const HOSTILE_SQL: &str = "CREATE TABLE hostile_log (id TEXT PRIMARY KEY, note TEXT, x REAL);";
+
+/// How one attack ended.
+struct Fate {
+    /// Dead-letter reasons of the attack (empty: it was acked).
+    dead: Vec<String>,
+    /// Notes the handler wrote (the `ok` message writes "ok").
+    notes: Vec<String>,
+    db: TestDb,
+}
+
+impl Fate {
+    fn reason(&self) -> &str {
+        assert_eq!(
+            self.dead.len(),
+            1,
+            "one dead letter expected: {:?} (notes {:?})",
+            self.dead,
+            self.notes
+        );
+        &self.dead[0]
+    }
+
+    /// The attack was refused with a reason containing each of `needles`.
+    fn refused(&self, needles: &[&str]) {
+        let r = self.reason();
+        for n in needles {
+            assert!(r.contains(n), "expected {n:?} in the reason: {r}");
+        }
+        assert!(
+            self.notes.is_empty() || self.notes == ["ok"],
+            "no write of the attack landed: {:?}",
+            self.notes
+        );
+    }
+}
+
+struct Attack<'a> {
+    payload: &'a str,
+    handler: HandlerLimits,
+    effects: EffectLimits,
+    tables: &'a [&'a str],
+    queues: &'a [&'a str],
+    connectors: &'a [&'a str],
+    store: Option<Box<dyn FnOnce(Arc<dyn Store>) -> Arc<dyn Store>>>,
+    seed_rows: usize,
+}
+
+impl<'a> Attack<'a> {
+    fn new(payload: &'a str) -> Attack<'a> {
+        Attack {
+            payload,
+            handler: HandlerLimits::default(),
+            effects: EffectLimits::default(),
+            tables: &["hostile_log"],
+            queues: &[],
+            connectors: &[],
+            store: None,
+            seed_rows: 0,
+        }
+    }
+
+    /// Send the attack, then a harmless `ok` message on the same queue,
+    /// and run one worker (one attempt each) until both reached an outcome.
+    async fn run(self) -> Fate {
+        let db = TestDb::new(HOSTILE_SQL);
+        if self.seed_rows > 0 {
+            let conn = db.sql();
+            let note = "n".repeat(1000);
+            for i in 0..self.seed_rows {
+                conn.execute(
+                    "INSERT INTO hostile_log (id, note) VALUES (?1, ?2)",
+                    rusqlite::params![format!("seed-{i:05}"), note],
+                )
+                .unwrap();
+            }
+        }
+        db.send("hostile", [self.payload.to_string()]).await;
+        db.send("hostile", ["ok".to_string()]).await;
+        let store = match self.store {
+            Some(wrap) => wrap(db.store.clone()),
+            None => db.store.clone(),
+        };
+        let rt = runtime();
+        let h = Arc::new(wasm(&rt, "hostile", self.handler));
+        let policy = Policy { batch: 1, ..policy(1, 1) };
+        let r = Arc::new(onceq::protocol::QueueRunner::new(
+            onceq::protocol::QueueSpec {
+                name: "hostile".into(),
+                handler: h,
+                grants: grants(self.tables, self.queues, self.connectors),
+                limits: self.effects,
+                policy,
+            },
+            store.clone(),
+        ));
+        drain_within(&store, &[r], Duration::from_secs(120)).await;
+        let dead = db
+            .store
+            .dead_letter_list(Queues::All, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| d.reason)
+            .collect();
+        let notes = db
+            .rows("hostile_log")
+            .await
+            .iter()
+            .filter(|r| !matches!(col(r, "id"), onceq::value::Value::String(s) if s.starts_with("seed-")))
+            .map(|r| match col(r, "note") {
+                onceq::value::Value::String(s) => s.clone(),
+                other => format!("{other:?}"),
+            })
+            .collect::<Vec<_>>();
+        assert!(
+            notes.contains(&"ok".to_string()),
+            "the host went on to process the next message: {notes:?}"
+        );
+        Fate { dead, notes, db }
+    }
+}
+
+// ---- time: sleeping, waiting, hanging host calls -------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_handler_returns_at_once_on_logical_time() {
+    // `sleep(3600 s)` waits on a clock pollable: logical time does not pass
+    // inside a call, so the pollable is ready at once and the message is
+    // processed (the whole drain is bounded by 120 s, far below an hour).
+    let f = Attack::new("sleep").run().await;
+    assert!(f.dead.is_empty(), "{:?}", f.dead);
+    assert!(f.notes.contains(&"slept".to_string()), "{:?}", f.notes);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_time_to_pass_hits_the_deadline() {
+    let f = Attack {
+        handler: HandlerLimits {
+            deadline: Duration::from_millis(300),
+            ..Default::default()
+        },
+        ..Attack::new("sleep-until")
+    }
+    .run()
+    .await;
+    f.refused(&["deadline of 300ms exceeded"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_never_answers_hits_the_deadline() {
+    // A store that stops answering mid-read: the guest is blocked in a host
+    // call, where the epoch deadline cannot see it; the call's timer does.
+    let started = Instant::now();
+    let f = Attack {
+        handler: HandlerLimits {
+            deadline: Duration::from_millis(300),
+            ..Default::default()
+        },
+        store: Some(Box::new(|s: Arc<dyn Store>| {
+            let plan = FaultPlan {
+                read_delay: Some(Duration::from_secs(3600)),
+                ..Default::default()
+            };
+            Arc::new(FaultyStore::new(s, plan).0) as Arc<dyn Store>
+        })),
+        ..Attack::new("get-flood 1")
+    }
+    .run()
+    .await;
+    f.refused(&["deadline of 300ms exceeded"]);
+    eprintln!("hung read stopped; both messages done in {:.1?}", started.elapsed());
+}
+
+// ---- delays ----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_delayed_past_max_delay_is_refused_naming_the_setting() {
+    let f = Attack::new("delay-max").run().await;
+    f.refused(&["follow-up delay of", "over the limit of 365d", "(setting max_delay)"]);
+    let stats = f.db.store.stats().await.expect("stats still work");
+    assert_eq!(stats.queues.iter().map(|q| q.ready + q.leased + q.delayed).sum::<u64>(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_u64_max_ms_is_capped_and_the_host_stays_ready() {
+    let db = TestDb::new(HOSTILE_SQL);
+    db.send("hostile", ["retry-max".to_string()]).await;
+    let rt = runtime();
+    let effects = EffectLimits {
+        max_delay: Duration::from_secs(7 * 24 * 3600),
+        ..Default::default()
+    };
+    let r = Arc::new(onceq::protocol::QueueRunner::new(
+        onceq::protocol::QueueSpec {
+            name: "hostile".into(),
+            handler: Arc::new(wasm(&rt, "hostile", HandlerLimits::default())),
+            grants: grants(&["hostile_log"], &[], &[]),
+            limits: effects,
+            policy: policy(1, 5),
+        },
+        db.store.clone(),
+    ));
+    drain(&db.store, &[r.clone()]).await;
+    assert_eq!(r.metrics.retried.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // Stored as an integer a week ahead, not an overflowed REAL.
+    let (ty, ahead): (String, i64) = db
+        .sql()
+        .query_row(
+            "SELECT typeof(visible_at), visible_at - CAST(unixepoch('subsec') * 1000000 AS INTEGER) FROM onceq_messages",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(ty, "integer");
+    let week = 7 * 24 * 3600 * 1_000_000i64;
+    assert!(
+        ahead <= week && ahead > week - 600 * 1_000_000,
+        "visible in about a week: {ahead} µs"
+    );
+    let stats = db.store.stats().await.expect("stats still work");
+    assert_eq!(stats.queues[0].delayed, 1, "{stats:?}");
+}
+
+// ---- the export's type -----------------------------------------------------
+
+#[test]
+fn a_handle_export_with_the_wrong_signature_is_refused_at_load() {
+    let rt = runtime();
+    let e = rt
+        .load_file(&guest("wrong_signature"), HandlerLimits::default())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("does not match wit/handler.wit"), "{e}");
+    assert!(e.contains("handle is func(msg: string) -> string"), "{e}");
+    // The hostile guest has the right signature: it loads.
+    rt.load_file(&guest("hostile"), HandlerLimits::default()).unwrap();
+}
+
+// ---- logs ------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdout_past_its_capacity_fails_the_call_with_a_reason() {
+    let f = Attack::new("stdout-flood 40").run().await;
+    assert_eq!(f.dead.len(), 1, "{:?}", f.dead);
+    eprintln!("stdout flood: {}", f.reason());
+}
+
+// ---- effects ---------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_attribute_and_metadata_pairs_count_against_max_effect_bytes() {
+    let f = Attack::new("empty-attrs 300000").run().await;
+    f.refused(&["over the limit of 1048576 bytes (setting max_effect_bytes)"]);
+    assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "no follow-up stored");
+    let f = Attack {
+        connectors: &["hook"],
+        ..Attack::new("empty-meta 300000")
+    }
+    .run()
+    .await;
+    f.refused(&["(setting max_effect_bytes)"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provenance_attributes_cannot_be_forged() {
+    let f = Attack::new("forge-provenance").run().await;
+    f.refused(&["\"onceq.source-queue\" is reserved for onceq"]);
+    assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_keys_that_could_split_a_header_or_flood_are_refused() {
+    let f = Attack {
+        connectors: &["hook"],
+        ..Attack::new("key-crlf")
+    }
+    .run()
+    .await;
+    f.refused(&["idempotency key", "must be visible ASCII"]);
+    let f = Attack {
+        connectors: &["hook"],
+        ..Attack::new("key-long 100000")
+    }
+    .run()
+    .await;
+    f.refused(&["100000 bytes long, over the limit of 512"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_strange_and_huge_queue_names_are_refused() {
+    for payload in ["queue ONCEQ.outbox.hook", "queue ../../etc/passwd", "queue-long"] {
+        // Even when granted: the name itself is refused.
+        let long = "q".repeat(100_000);
+        let granted: &[&str] = &["ONCEQ.outbox.hook", "../../etc/passwd", &long];
+        let f = Attack {
+            queues: granted,
+            ..Attack::new(payload)
+        }
+        .run()
+        .await;
+        let r = f.reason().to_string();
+        assert!(
+            r.contains("reserved for onceq") || r.contains("use letters, digits") || r.contains("over the limit of 128"),
+            "{payload}: {r}"
+        );
+        assert!(r.len() < 400, "the reason stays short: {r}");
+        assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "{payload}: nothing parked");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nan_is_refused_instead_of_stored_as_null() {
+    let f = Attack::new("nan").run().await;
+    f.refused(&["column x: NaN cannot be stored"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_is_bounded_by_max_effects() {
+    let f = Attack::new("fork 1001").run().await;
+    f.refused(&["1001 effects returned, over the limit of 1000 (setting max_effects)"]);
+    assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_reject_reason_with_terminal_escapes_is_cut_when_stored() {
+    let f = Attack::new("reject-escape").run().await;
+    let r = f.reason();
+    assert!(r.len() < 4200, "stored reason is bounded: {} bytes", r.len());
+    assert!(r.contains("cut: "), "says it was cut");
+}
+
+// ---- reads -----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_gets_stop_at_max_reads() {
+    let f = Attack {
+        handler: HandlerLimits {
+            deadline: Duration::from_secs(60),
+            ..Default::default()
+        },
+        ..Attack::new("get-flood 1000000")
+    }
+    .run()
+    .await;
+    f.refused(&["more than 10000 reads in one call (setting max_reads)"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_scans_stop_at_max_read_bytes() {
+    let f = Attack {
+        handler: HandlerLimits {
+            deadline: Duration::from_secs(60),
+            ..Default::default()
+        },
+        seed_rows: 1000,
+        ..Attack::new("scan-flood 150")
+    }
+    .run()
+    .await;
+    f.refused(&["reads returned more than 16777216 bytes in one call (setting max_read_bytes)"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stack_overflow_is_a_trap_not_a_crash() {
+    let f = Attack::new("recurse").run().await;
+    f.refused(&["trap"]);
+}
+
+// ---- intents reaching a webhook -------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intent_metadata_cannot_set_the_operators_or_the_hosts_headers() {
+    // Credentials, routing and framing headers are refused at the effect.
+    for (name, value) in [
+        ("authorization", "Bearer forged"),
+        ("Host", "evil.example"),
+        ("content-length", "0"),
+        ("Idempotency-Key", "other"),
+        ("x-forwarded-for", "10.0.0.1"),
+    ] {
+        let f = Attack {
+            connectors: &["hook"],
+            ..Attack::new(&format!("meta {name} {value}"))
+        }
+        .run()
+        .await;
+        f.refused(&["names a header only the host sets"]);
+    }
+
+    // A header the operator configured wins over the handler's metadata;
+    // other metadata reach the receiver.
+    let receiver = Receiver::start(1).await;
+    let db = TestDb::new(HOSTILE_SQL);
+    db.send("hostile", ["meta x-team forged".to_string(), "meta x-trace abc123".to_string()])
+        .await;
+    let rt = runtime();
+    let r = runner(
+        &db.store,
+        "hostile",
+        Arc::new(wasm(&rt, "hostile", HandlerLimits::default())),
+        grants(&["hostile_log"], &[], &["hook"]),
+        policy(1, 1),
+    );
+    let hook = onceq::outbox::ConnectorConfig::Webhook {
+        url: receiver.url(),
+        timeout: Duration::from_secs(5),
+        headers: vec![("X-Team".into(), "payments".into())],
+        bearer_token_env: None,
+    }
+    .build("hook")
+    .unwrap();
+    let d = Arc::new(onceq::outbox::runner(db.store.clone(), "hook", hook, &fast_outbox()));
+    drain(&db.store, &[r, d]).await;
+    let seen = receiver.seen();
+    assert_eq!(seen.len(), 2, "both intents delivered: {seen:?}");
+    for s in seen.values() {
+        let team: Vec<&str> = s.headers.iter().filter(|(k, _)| k == "x-team").map(|(_, v)| v.as_str()).collect();
+        assert_eq!(team, ["payments"], "the operator's header, once: {:?}", s.headers);
+        assert_eq!(s.payload, "{\"charge\":1}", "payload intact");
+    }
+    assert!(
+        seen.values()
+            .any(|s| s.headers.iter().any(|(k, v)| k == "x-trace" && v == "abc123")),
+        "ordinary metadata still reach the receiver"
+    );
+}
+
+// ---- a real host process: SIGTERM, logs, the admin API, the CLI -----------
+
+fn project(extra: &str) -> Host {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("schema.sql"), HOSTILE_SQL).unwrap();
+    std::fs::write(
+        dir.path().join("onceq.toml"),
+        format!(
+            r#"store = "onceq.db"
+schema = "schema.sql"
+{extra}
+
+[admin]
+listen = "127.0.0.1:0"
+token = "s3cret"
+max_upload = "1MiB"
+
+[[queue]]
+name = "hostile"
+handler = "{}"
+tables = ["hostile_log"]
+max_attempts = 1
+workers = 1
+"#,
+            guest("hostile").display()
+        ),
+    )
+    .unwrap();
+    Host::new(dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_the_host_within_the_shutdown_grace_whatever_the_handler_does() {
+    // A handler allowed to compute for an hour, and a one-second grace.
+    let mut host = project("shutdown_grace = \"1s\"\n[defaults]\ndeadline = \"1h\"");
+    host.ok(&["init"]).await;
+    // The payload is the command itself, not JSON: sent from a file.
+    std::fs::write(host.dir.path().join("m.txt"), "sleep-until").unwrap();
+    host.ok(&["send", "hostile", "--file", "m.txt"]).await;
+    host.start().await;
+    wait_until("the handler to be in flight", Duration::from_secs(60), || {
+        let h = &host;
+        async move {
+            let m = h.metrics().await;
+            m.iter().any(|(k, v)| k.starts_with("onceq_in_flight") && *v >= 1.0)
+        }
+    })
+    .await;
+    let mut child = host.child.take().unwrap();
+    let pid = child.id().unwrap().to_string();
+    let signalled = Instant::now();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("exited after SIGTERM")
+        .unwrap();
+    eprintln!("exited {:.1?} after SIGTERM", signalled.elapsed());
+    assert!(status.success(), "exit 0: {status}");
+    let log = host.log();
+    assert!(log.contains("shutdown grace of 1s over (setting shutdown_grace)"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_checks_the_token_before_reading_an_upload() {
+    let mut host = project("");
+    host.ok(&["init"]).await;
+    host.start().await;
+    let before = host.rss_bytes();
+    let addr = host.url("").trim_start_matches("http://").to_string();
+
+    // Eight unauthenticated clients each try to stream 64 MiB.
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let addr = addr.clone();
+        clients.spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            s.write_all(b"POST /v1/queues/hostile/deploy HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .await
+                .unwrap();
+            let (mut rd, mut wr) = s.into_split();
+            let writer = tokio::spawn(async move {
+                let chunk = vec![b'A'; 64 << 10];
+                let mut sent = 0usize;
+                while sent < 64 << 20 {
+                    let head = format!("{:x}\r\n", chunk.len());
+                    if wr.write_all(head.as_bytes()).await.is_err()
+                        || wr.write_all(&chunk).await.is_err()
+                        || wr.write_all(b"\r\n").await.is_err()
+                    {
+                        break;
+                    }
+                    sent += chunk.len();
+                }
+                sent
+            });
+            let mut answer = vec![0u8; 512];
+            let n = tokio::time::timeout(Duration::from_secs(60), rd.read(&mut answer))
+                .await
+                .expect("an answer")
+                .unwrap();
+            writer.abort();
+            String::from_utf8_lossy(&answer[..n]).to_string()
+        });
+    }
+    while let Some(answer) = clients.join_next().await {
+        let answer = answer.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
+    let after = host.rss_bytes();
+    eprintln!(
+        "host RSS {} MiB before, {} MiB after the unauthenticated uploads",
+        before >> 20,
+        after >> 20
+    );
+    assert!(
+        after < before + (64 << 20),
+        "the host did not buffer the uploads: {before} -> {after} bytes"
+    );
+
+    // With the token, a body over admin.max_upload is refused (413).
+    let r = host
+        .http
+        .post(host.url("/v1/queues/hostile/deploy"))
+        .bearer_auth("s3cret")
+        .body(vec![0u8; 2 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    // A new connection: the server closes the one whose body it refused.
+    let ready = reqwest::Client::new().get(host.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200, "still ready");
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_refuses_bad_names_and_delays_and_never_prints_a_handlers_escapes() {
+    let host = project("");
+    host.ok(&["init"]).await;
+    let long = "q".repeat(100_000);
+    for (queue, needle) in [
+        ("", "queue name is empty"),
+        ("a b", "use letters, digits"),
+        ("../../etc/passwd", "use letters, digits"),
+        (long.as_str(), "over the limit of 128"),
+        ("ONCEQ.outbox.x", "reserved for onceq"),
+    ] {
+        let (ok, out) = host.onceq(&["send", queue, "--payload", "{}"]).await;
+        assert!(!ok && out.contains(needle), "send to {:.20}: {out:.300}", queue);
+    }
+    let (ok, out) = host.onceq(&["send", "hostile", "--payload", "{}", "--delay", "300000years"]).await;
+    assert!(
+        !ok && out.contains("over the limit of 365d (the queue's max_delay setting)"),
+        "{out}"
+    );
+    let (ok, out) = host.onceq(&["send", "nobody", "--payload", "{}"]).await;
+    assert!(ok && out.contains("warning: no [[queue]] named nobody"), "{out}");
+
+    // A reject reason full of terminal escapes, a log line forging another
+    // line and clearing the screen, a 100 MiB log flood.
+    for (i, cmd) in ["reject-escape", "log-escape", "log-flood 100"].iter().enumerate() {
+        std::fs::write(host.dir.path().join(format!("m{i}.txt")), cmd).unwrap();
+        host.ok(&["send", "hostile", "--file", &format!("m{i}.txt")]).await;
+    }
+    let out = host.cmd(&["run", "--until-empty"]).env("RUST_LOG", "info").output().await.unwrap();
+    assert!(out.status.success());
+    let stderr = out.stderr;
+    assert!(!stderr.contains(&0x1b), "no raw escape reached the terminal");
+    assert!(stderr.len() < 3 << 20, "the log flood was cut: {} bytes of log", stderr.len());
+    let text = String::from_utf8_lossy(&stderr);
+    assert!(text.contains("setting max_log_bytes"), "the cut is announced");
+    assert!(text.contains("fake\\u{1b}[2J"), "the escape is shown escaped");
+
+    let list = host.cmd(&["dlq", "list"]).output().await.unwrap();
+    assert!(list.status.success());
+    assert!(!list.stdout.contains(&0x1b), "dlq list prints no raw escape");
+    let shown = String::from_utf8_lossy(&list.stdout);
+    assert!(shown.contains("bad order \\u{1b}]8;;http://evil.example"), "{shown:.300}");
+    assert_eq!(shown.lines().count(), 1, "one dead letter, one line");
+}
+
+#[test]
+fn onceq_check_refuses_the_impostor_component() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("onceq.toml"), "store = \"x.db\"\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
+        .current_dir(dir.path())
+        .args(["check", guest("wrong_signature").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "check fails: {text}");
+    assert!(text.contains("does not match wit/handler.wit"), "{text}");
+}
