@@ -85,6 +85,8 @@ run-spanner: guests build
 ## emulator started on free ports and stopped by pid (tests/with-spanner-emulator.sh)
 test: guests
 	tests/with-spanner-emulator.sh $(CARGO) test --release --workspace
+	@echo "== exactly-once and outbox again with every message committed alone (commit.max_batch = 1)"
+	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test --release --test exactly_once --test outbox
 	@echo "== again on an emulator that aborts commits at random (--enable_fault_injection)"
 	SPANNER_EMULATOR_ARGS=--enable_fault_injection tests/with-spanner-emulator.sh \
 		$(CARGO) test --release --test spanner -- spanner_payments_exactly_once spanner_lease_and_ack spanner_writes_scans_and_atomicity

@@ -78,3 +78,18 @@ fn sqlite_database_is_a_wal_file() {
     assert_eq!(mode, "wal");
     assert!(db.path.exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_batched_commits_isolate_each_message() {
+    let db = TestDb::with_options(
+        suite::SCHEMA_SQLITE,
+        StoreOptions {
+            commit: onceq::store::commit::CommitOptions {
+                max_batch: 64,
+                max_wait: Duration::from_millis(200),
+            },
+            ..Default::default()
+        },
+    );
+    suite::batched_commits_isolate_each_message(db.store).await
+}

@@ -163,12 +163,16 @@ fn native_payments() -> NativeHandler {
 }
 
 fn fresh_db(dir: &Path, name: &str) -> (Arc<dyn Store>, std::path::PathBuf) {
+    fresh_db_with(dir, name, StoreOptions::default())
+}
+
+fn fresh_db_with(dir: &Path, name: &str, options: StoreOptions) -> (Arc<dyn Store>, std::path::PathBuf) {
     let path = dir.join(name);
     let mut ddl = PAYMENTS_SQL.to_string();
     for i in 0..ACCOUNTS {
         ddl.push_str(&format!("INSERT INTO accounts (id, balance) VALUES ('acct-{i}', 100000000);\n"));
     }
-    (Arc::new(SqliteStore::init(&path, &ddl, &StoreOptions::default()).unwrap()), path)
+    (Arc::new(SqliteStore::init(&path, &ddl, &options).unwrap()), path)
 }
 
 struct Run {
@@ -178,7 +182,11 @@ struct Run {
 }
 
 async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
-    let (store, _) = fresh_db(dir, name);
+    pipeline_with(dir, name, handler, n, workers, StoreOptions::default()).await
+}
+
+async fn pipeline_with(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize, options: StoreOptions) -> Run {
+    let (store, _) = fresh_db_with(dir, name, options);
     let msgs: Vec<SendParams> = (0..n)
         .map(|i| SendParams {
             queue: "payments".into(),
@@ -192,8 +200,15 @@ async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, w
     pipeline_on(store, handler, n, workers).await
 }
 
-/// The physical limit: the same statements in a plain rusqlite loop.
+/// The physical limit: the same statements in a plain rusqlite loop, one
+/// commit per message.
 fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
+    raw_sqlite_batched(dir, name, n, 1)
+}
+
+/// The same loop committing every `per_commit` messages, a savepoint per
+/// message (what group commit does), when `per_commit` > 1.
+fn raw_sqlite_batched(dir: &Path, name: &str, n: usize, per_commit: usize) -> Run {
     use rusqlite::params;
     let (store, path) = fresh_db(dir, name);
     drop(store);
@@ -212,6 +227,7 @@ fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
         tx.commit().unwrap();
     }
     let mut lat = Vec::with_capacity(n);
+    let mut open: Vec<Instant> = Vec::with_capacity(per_commit);
     let t = Instant::now();
     let mut done = 0;
     while done < n {
@@ -237,7 +253,13 @@ fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
                 v["account"].as_str().unwrap(),
                 v["amount"].as_i64().unwrap(),
             );
-            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+            if open.is_empty() {
+                c.execute_batch("BEGIN IMMEDIATE").unwrap();
+            }
+            if per_commit > 1 {
+                c.execute_batch("SAVEPOINT m").unwrap();
+            }
+            let tx = &c;
             let balance: i64 = tx
                 .prepare_cached("SELECT balance FROM accounts WHERE id = ?1")
                 .unwrap()
@@ -281,8 +303,14 @@ fn raw_sqlite(dir: &Path, name: &str, n: usize) -> Run {
                 .execute(params![id, token])
                 .unwrap();
             assert_eq!(gone, 1);
-            tx.commit().unwrap();
-            lat.push(t1.elapsed().as_micros() as u64);
+            if per_commit > 1 {
+                c.execute_batch("RELEASE m").unwrap();
+            }
+            open.push(t1);
+            if open.len() == per_commit || done + 1 == n {
+                c.execute_batch("COMMIT").unwrap();
+                lat.extend(open.drain(..).map(|t| t.elapsed().as_micros() as u64));
+            }
             done += 1;
         }
     }
@@ -599,6 +627,70 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
     }
 }
 
+/// Group commit, side by side in one run: onceq with the default
+/// `commit.max_batch` and with 1, 1 and 4 workers, against the raw loop one
+/// commit per message and batched with a savepoint per message.
+async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
+    let opts = |max_batch: usize| {
+        let mut o = StoreOptions::default();
+        o.commit.max_batch = max_batch;
+        o
+    };
+    let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
+    let best = |a: Option<Run>, b: Run| match a {
+        Some(a) if a.msgs_per_s >= b.msgs_per_s => Some(a),
+        _ => Some(b),
+    };
+    let (mut g1, mut g4, mut g16, mut s1, mut s4, mut raw1, mut raw16, mut raw64) = (None, None, None, None, None, None, None, None);
+    for r in 0..rounds {
+        g1 = best(g1, pipeline_with(dir, &format!("g1-{r}.db"), wasm.clone(), n, 1, opts(64)).await);
+        g4 = best(g4, pipeline_with(dir, &format!("g4-{r}.db"), wasm.clone(), n, 4, opts(64)).await);
+        g16 = best(g16, pipeline_with(dir, &format!("g16-{r}.db"), wasm.clone(), n, 16, opts(64)).await);
+        s1 = best(s1, pipeline_with(dir, &format!("s1-{r}.db"), wasm.clone(), n, 1, opts(1)).await);
+        s4 = best(s4, pipeline_with(dir, &format!("s4-{r}.db"), wasm.clone(), n, 4, opts(1)).await);
+        raw1 = best(raw1, raw_sqlite_batched(dir, &format!("r1-{r}.db"), n, 1));
+        raw16 = best(raw16, raw_sqlite_batched(dir, &format!("r16-{r}.db"), n, 16));
+        raw64 = best(raw64, raw_sqlite_batched(dir, &format!("r64-{r}.db"), n, 64));
+    }
+    let [g1, g4, g16, s1, s4, raw1, raw16, raw64] = [g1, g4, g16, s1, s4, raw1, raw16, raw64].map(Option::unwrap);
+    println!("\n| group commit ({n} payments messages, Wasm handler, synchronous=FULL, best of {rounds}) | messages/s | p50 | p99 |");
+    println!("|---|---|---|---|");
+    let row = |name: &str, r: &Run| {
+        println!(
+            "| {name} | {:.0} | {:.2} ms | {:.2} ms |",
+            r.msgs_per_s,
+            r.p50_us as f64 / 1000.0,
+            r.p99_us as f64 / 1000.0
+        )
+    };
+    row("onceq, group commit (max_batch 64), 1 worker", &g1);
+    row("onceq, group commit (max_batch 64), 4 workers", &g4);
+    row("onceq, group commit (max_batch 64), 16 workers", &g16);
+    row("onceq, max_batch 1, 1 worker", &s1);
+    row("onceq, max_batch 1, 4 workers", &s4);
+    row("raw loop, one commit per message", &raw1);
+    row("raw loop, savepoint per message, commit per 16", &raw16);
+    row("raw loop, savepoint per message, commit per 64", &raw64);
+    println!("\n| ratio | value | target |");
+    println!("|---|---|---|");
+    println!(
+        "| group commit 16 workers / raw batched 16 | {:.2} | >= 0.7 |",
+        g16.msgs_per_s / raw16.msgs_per_s
+    );
+    println!(
+        "| group commit 4 workers / max_batch 1, 4 workers | {:.2} | >= 4 |",
+        g4.msgs_per_s / s4.msgs_per_s
+    );
+    println!(
+        "| group commit 16 workers / max_batch 1, 4 workers | {:.2} | >= 4 |",
+        g16.msgs_per_s / s4.msgs_per_s
+    );
+    println!(
+        "| group commit: 4 workers / 1 worker | {:.2} | >= 1.5 |",
+        g4.msgs_per_s / g1.msgs_per_s
+    );
+}
+
 fn main() {
     let n = env_usize("ONCEQ_BENCH_MESSAGES", 10_000);
     let calls = env_usize("ONCEQ_BENCH_CALLS", 20_000);
@@ -642,7 +734,13 @@ fn main() {
             return;
         }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("languages") {
-            languages(&root, &component, dir.path(), schema.clone(), calls).await;
+            group_commit(dir.path(), wasm.clone(), n).await;
+
+        languages(&root, &component, dir.path(), schema.clone(), calls).await;
+            return;
+        }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("group") {
+            group_commit(dir.path(), wasm.clone(), n).await;
             return;
         }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("raw") {
@@ -739,6 +837,8 @@ fn main() {
             "| dispatch median, `runtime.reset_dirty_pages = false` | {:.1} µs | <= 10 µs |",
             s50 as f64 / 1000.0
         );
+
+        group_commit(dir.path(), wasm.clone(), n).await;
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
 

@@ -36,6 +36,13 @@ struct RawSpanner {
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+struct RawCommit {
+    max_batch: Option<usize>,
+    max_wait: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct RawRuntime {
     max_instances: Option<u32>,
     max_memory: Option<String>,
@@ -145,6 +152,8 @@ struct RawConfig {
     spanner: RawSpanner,
     #[serde(default)]
     runtime: RawRuntime,
+    #[serde(default)]
+    commit: RawCommit,
     #[serde(default)]
     defaults: RawSettings,
     #[serde(default, rename = "queue")]
@@ -375,6 +384,15 @@ impl Config {
             store_options.spanner_clients = n.max(1);
         }
         store_options.spanner_exclusive_clients = raw.spanner.exclusive_clients;
+        if let Some(n) = raw.commit.max_batch {
+            if n == 0 {
+                bail!("commit.max_batch must be at least 1 (1 commits every message alone)");
+            }
+            store_options.commit.max_batch = n;
+        }
+        if let Some(w) = &raw.commit.max_wait {
+            store_options.commit.max_wait = at_most("commit.max_wait", parse_duration("commit.max_wait", w)?, Duration::from_secs(1))?;
+        }
         let mut runtime = RuntimeConfig::default();
         if let Some(n) = raw.runtime.max_instances {
             runtime.max_instances = n;

@@ -41,6 +41,15 @@ pub fn guest(name: &str) -> PathBuf {
     p
 }
 
+/// Default store options, with `ONCEQ_TEST_MAX_BATCH` applied.
+pub fn test_store_options() -> StoreOptions {
+    let mut o = StoreOptions::default();
+    if let Some(n) = std::env::var("ONCEQ_TEST_MAX_BATCH").ok().and_then(|v| v.parse().ok()) {
+        o.commit.max_batch = n;
+    }
+    o
+}
+
 /// A fresh SQLite database file (WAL) with the given business schema.
 pub struct TestDb {
     pub dir: tempfile::TempDir,
@@ -49,8 +58,11 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// A database with the default options, but for `commit.max_batch`,
+    /// taken from `ONCEQ_TEST_MAX_BATCH` when set (`make test` runs the
+    /// exactly-once and outbox tests again with 1: every message alone).
     pub fn new(ddl: &str) -> TestDb {
-        Self::with_options(ddl, StoreOptions::default())
+        Self::with_options(ddl, test_store_options())
     }
 
     pub fn with_options(ddl: &str, options: StoreOptions) -> TestDb {

@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub mod commit;
 pub mod faulty;
 pub mod memory;
 pub mod spanner;
@@ -89,7 +90,8 @@ pub fn micros(d: Duration) -> i64 {
 
 /// A read a handler made, recorded so the commit can run it again and abort
 /// if the answer changed (optimistic concurrency, used by both stores).
-pub(crate) struct ReadRecord {
+#[derive(Debug, Clone)]
+pub struct ReadRecord {
     pub table: TableSchema,
     /// The primary key (point read) or a key prefix (scan).
     pub key: Vec<Value>,
@@ -400,6 +402,8 @@ pub struct StoreOptions {
     pub spanner_clients: usize,
     /// Spanner: one client per operation (`None`: only on the emulator).
     pub spanner_exclusive_clients: Option<bool>,
+    /// Group commit (`[commit]`).
+    pub commit: commit::CommitOptions,
 }
 
 impl StoreOptions {
@@ -421,6 +425,7 @@ impl Default for StoreOptions {
             spanner_shards: 8,
             spanner_clients: 16,
             spanner_exclusive_clients: None,
+            commit: commit::CommitOptions::default(),
         }
     }
 }

@@ -85,6 +85,10 @@ pub struct SpannerOptions {
 }
 
 fn classify(e: google_cloud_spanner::Error) -> StoreError {
+    classify_ref(&e)
+}
+
+fn classify_ref(e: &google_cloud_spanner::Error) -> StoreError {
     use google_cloud_gax::error::rpc::Code;
     let text = e.to_string();
     if let Some(status) = e.status() {
@@ -191,6 +195,8 @@ pub struct SpannerStore {
     pool: Arc<Pool>,
     schema: Arc<Schema>,
     options: StoreOptions,
+    /// Message commits, grouped ([`commit::Group`]).
+    group: Arc<commit::Group>,
     shards: u32,
 }
 
@@ -431,6 +437,7 @@ impl SpannerStore {
         Ok(SpannerStore {
             pool,
             schema: Arc::new(schema),
+            group: Arc::new(commit::Group::new(options.commit)),
             options: options.clone(),
             shards: opts.shards.max(1),
         })
@@ -576,57 +583,244 @@ fn split_lease_id(lease: &Lease) -> (i64, String) {
     (lease.shard, lease.message_id.clone())
 }
 
-async fn send_in(
-    tx: &google_cloud_spanner::transaction::ReadWriteTransaction,
-    p: &SendParams,
+/// The statements of the commit path ([`commit::Executor`]) inside one
+/// Spanner read-write transaction. Reads, the ack, dedup claims, inserts and
+/// holds are DML or queries (a later statement of the same transaction sees
+/// them); row writes are mutations, applied at commit, which later reads of
+/// the transaction do not see: so a message of a batch that reads a row an
+/// earlier message of the batch wrote is aborted (its handler re-runs on
+/// fresh data), instead of deciding on a stale read.
+///
+/// A statement that fails keeps Spanner's own error in `failed`: the batch
+/// must then fail as a whole (the client re-runs it on `ABORTED`), never
+/// commit the rest.
+struct SpannerExec<'t> {
+    tx: &'t RwTx,
+    schema: &'t Schema,
     shards: u32,
-    window: Duration,
-) -> google_cloud_spanner::Result<SendOutcome> {
-    if let Some(key) = &p.dedup_key {
-        let mut rs = tx
-            .execute_query(
-                Statement::builder(format!(
-                    "SELECT message_id FROM onceq_dedup WHERE queue = @q AND dedup_key = @k AND expires_at > {NOW}"
-                ))
-                .add_param("q", p.queue.clone())
-                .add_param("k", key.clone())
-                .build(),
-            )
-            .await?;
-        if let Some(r) = rs.next().await {
-            let existing_id: String = r?.get(0)?;
-            return Ok(SendOutcome::Duplicate { existing_id });
+    /// A batch of one: the ack asserts its row (`ASSERT_ROWS_MODIFIED 1`).
+    assert_one: bool,
+    /// (table, primary key) written by the messages of the batch so far.
+    written: &'t mut Vec<(String, Vec<Value>)>,
+    failed: Option<google_cloud_spanner::Error>,
+}
+
+impl SpannerExec<'_> {
+    fn fail(&mut self, e: google_cloud_spanner::Error) -> StoreError {
+        let classified = classify_ref(&e);
+        self.failed = Some(e);
+        classified
+    }
+
+    async fn update(&mut self, stmt: Statement) -> StoreResult<i64> {
+        match self.tx.execute_update(stmt).await {
+            Ok(n) => Ok(n),
+            Err(e) => Err(self.fail(e)),
         }
     }
-    let id = random_id();
-    tx.execute_update(
-        Statement::builder(format!(
-            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
-             VALUES (@s, @id, @q, @p, @a, 0, {NOW}, {NOW} + @d)"
+}
+
+impl commit::Executor for SpannerExec<'_> {
+    async fn reread(&mut self, read: &ReadRecord) -> StoreResult<Vec<Row>> {
+        let stale = self.written.iter().any(|(t, key)| {
+            *t == read.table.name
+                && match read.limit {
+                    None => *key == read.key,
+                    Some(_) => key.starts_with(&read.key),
+                }
+        });
+        if stale {
+            return Err(StoreError::Aborted(format!(
+                "a row of {} read by the handler is written by an earlier message of the same commit",
+                read.table.name
+            )));
+        }
+        let rs = match rows_in(self.tx, &read.table, &read.key, read.limit).await {
+            Ok(rs) => rs,
+            Err(e) => return Err(self.fail(e)),
+        };
+        collect(&read.table, rs).await
+    }
+
+    async fn delete_leased(&mut self, lease: &Lease) -> StoreResult<u64> {
+        let sql = if self.assert_one {
+            // Fails with OUT_OF_RANGE if the lease is lost or the message was
+            // already acked: the whole transaction rolls back.
+            "DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1"
+        } else {
+            "DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t"
+        };
+        let n = self
+            .update(
+                Statement::builder(sql)
+                    .add_param("s", lease.shard)
+                    .add_param("id", lease.message_id.clone())
+                    .add_param("t", lease.token.clone())
+                    .build(),
+            )
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    async fn write(&mut self, w: &ValidWrite) -> StoreResult<()> {
+        let table = self.schema.table(&w.table).map_err(StoreError::Permanent)?;
+        let key: Vec<Value> = table
+            .primary_key
+            .iter()
+            .map(|&i| w.values.get(i).cloned().flatten().unwrap_or(Value::Null))
+            .collect();
+        if let Err(e) = self.tx.buffer(vec![mutation(table, w)]) {
+            return Err(self.fail(e));
+        }
+        self.written.push((w.table.clone(), key));
+        Ok(())
+    }
+
+    async fn dedup_claim(&mut self, queue: &str, key: &str, id: &str, window: Duration) -> StoreResult<Option<String>> {
+        let query = Statement::builder(format!(
+            "SELECT message_id FROM onceq_dedup WHERE queue = @q AND dedup_key = @k AND expires_at > {NOW}"
         ))
-        .add_param("s", shard_of(&id, shards))
-        .add_param("id", id.clone())
-        .add_param("q", p.queue.clone())
-        .add_param("p", p.payload.clone())
-        .add_param("a", attrs_to_json(&p.attributes))
-        .add_param("d", micros(p.delay))
-        .build(),
-    )
-    .await?;
-    if let Some(key) = &p.dedup_key {
-        tx.execute_update(
+        .add_param("q", queue.to_string())
+        .add_param("k", key.to_string())
+        .build();
+        let mut rs = match self.tx.execute_query(query).await {
+            Ok(rs) => rs,
+            Err(e) => return Err(self.fail(e)),
+        };
+        match rs.next().await {
+            Some(Ok(r)) => match r.get::<String>(0) {
+                Ok(existing) => return Ok(Some(existing)),
+                Err(e) => return Err(self.fail(e)),
+            },
+            Some(Err(e)) => return Err(self.fail(e)),
+            None => {}
+        }
+        self.update(
             Statement::builder(format!(
                 "INSERT OR UPDATE INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (@q, @k, @id, {NOW} + @w)"
             ))
-            .add_param("q", p.queue.clone())
-            .add_param("k", key.clone())
-            .add_param("id", id.clone())
-            .add_param("w", micros(p.dedup_window.unwrap_or(window)))
+            .add_param("q", queue.to_string())
+            .add_param("k", key.to_string())
+            .add_param("id", id.to_string())
+            .add_param("w", micros(window))
             .build(),
         )
         .await?;
+        Ok(None)
     }
-    Ok(SendOutcome::Sent { id })
+
+    async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()> {
+        self.update(
+            Statement::builder(format!(
+                "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
+                 VALUES (@s, @id, @q, @p, @a, 0, {NOW}, {NOW} + @d)"
+            ))
+            .add_param("s", shard_of(id, self.shards))
+            .add_param("id", id.to_string())
+            .add_param("q", p.queue.clone())
+            .add_param("p", p.payload.clone())
+            .add_param("a", attrs_to_json(&p.attributes))
+            .add_param("d", micros(p.delay))
+            .build(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) -> StoreResult<()> {
+        self.update(
+            Statement::builder(format!(
+                "UPDATE onceq_dedup SET expires_at = {NOW} + @w WHERE queue = @q AND dedup_key = @k"
+            ))
+            .add_param("q", queue.to_string())
+            .add_param("k", key.to_string())
+            .add_param("w", micros(window))
+            .build(),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Spanner's batch commit: one read-write transaction for the batch; each
+/// message decided (reads unchanged, ack removed exactly its row) before
+/// its writes are buffered, so a message that loses gets its own error and
+/// leaves nothing behind. A failed statement or commit fails the batch as
+/// a whole; unless the outcome is unknown (every message re-runs and its
+/// ack decides) or the failure retryable, the batch is then committed again
+/// one message at a time, so only the guilty message gets the error.
+struct SpannerBatch {
+    pool: Arc<Pool>,
+    schema: Arc<Schema>,
+    shards: u32,
+    window: Duration,
+}
+
+impl SpannerBatch {
+    async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>) -> StoreResult<Vec<StoreResult<()>>> {
+        let client = self.pool.get().await?;
+        let (schema, shards, window) = (self.schema.clone(), self.shards, self.window);
+        let assert_one = batch.len() == 1;
+        run_rw(&client, move |tx| {
+            let (batch, schema) = (batch.clone(), schema.clone());
+            async move {
+                let mut written = Vec::new();
+                let mut results = Vec::with_capacity(batch.len());
+                for p in batch.iter() {
+                    let mut ex = SpannerExec {
+                        tx: &tx,
+                        schema: &schema,
+                        shards,
+                        assert_one,
+                        written: &mut written,
+                        failed: None,
+                    };
+                    let r = commit::apply(&mut ex, p, window).await;
+                    if let Some(e) = ex.failed.take() {
+                        return Err(e);
+                    }
+                    results.push(r);
+                }
+                Ok(results)
+            }
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl commit::BatchCommit for SpannerBatch {
+    async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+        let n = batch.len();
+        let batch = Arc::new(batch);
+        let e = match self.commit_all(batch.clone()).await {
+            Ok(results) => return results,
+            Err(e) => e,
+        };
+        if n == 1 {
+            let r = match &batch[0].ack {
+                Some(lease) => lease_error(e, lease),
+                None => e,
+            };
+            return vec![Err(r)];
+        }
+        if e.is_unknown_outcome() || e.is_retryable() {
+            return (0..n).map(|_| Err(e.clone())).collect();
+        }
+        tracing::debug!("a batch of {n} failed ({e}); committing its messages one by one");
+        let mut out = Vec::with_capacity(n);
+        for p in batch.iter() {
+            let one = Arc::new(vec![p.clone()]);
+            out.push(match self.commit_all(one).await {
+                Ok(mut r) => r.pop().unwrap_or(Ok(())),
+                Err(e) => Err(match &p.ack {
+                    Some(lease) => lease_error(e, lease),
+                    None => e,
+                }),
+            });
+        }
+        out
+    }
 }
 
 impl SpannerStore {
@@ -741,14 +935,29 @@ impl Store for SpannerStore {
     }
 
     async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
-        let (shards, window) = (self.shards, self.options.dedup_window);
+        let (shards, window, schema) = (self.shards, self.options.dedup_window, self.schema.clone());
         let params = Arc::new(params);
         self.rw(move |tx| {
-            let params = params.clone();
+            let (params, schema) = (params.clone(), schema.clone());
             async move {
+                let mut written = Vec::new();
+                let mut ex = SpannerExec {
+                    tx: &tx,
+                    schema: &schema,
+                    shards,
+                    assert_one: false,
+                    written: &mut written,
+                    failed: None,
+                };
                 let mut out = Vec::with_capacity(params.len());
                 for p in params.iter() {
-                    out.push(send_in(&tx, p, shards, window).await?);
+                    match commit::send(&mut ex, p, window).await {
+                        Ok(o) => out.push(o),
+                        Err(_) => match ex.failed.take() {
+                            Some(e) => return Err(e),
+                            None => continue,
+                        },
+                    }
                 }
                 Ok(out)
             }
@@ -877,6 +1086,7 @@ impl Store for SpannerStore {
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
         Ok(Box::new(SpannerTransaction {
             pool: self.pool.clone(),
+            group: self.group.clone(),
             shards: self.shards,
             window: self.options.dedup_window,
             snapshot: None,
@@ -1107,67 +1317,10 @@ fn queued_from(row: Row) -> QueuedMessage {
     }
 }
 
-/// What a message transaction commits, owned, so the commit closure can be
-/// re-run by the client on `ABORTED`.
-struct CommitData {
-    reads: Vec<ReadRecord>,
-    holds: Vec<(String, String, Duration)>,
-    enqueues: Vec<SendParams>,
-    ack: Option<Lease>,
-    mutations: Vec<Mutation>,
-    shards: u32,
-    window: Duration,
-}
-
-impl CommitData {
-    /// Validate the reads, then ack, then apply. Returns `Ok(false)` (and
-    /// writes nothing) if a read changed.
-    async fn apply(&self, tx: &RwTx) -> google_cloud_spanner::Result<bool> {
-        for read in &self.reads {
-            let unchanged = match collect(&read.table, rows_in(tx, &read.table, &read.key, read.limit).await?).await {
-                Ok(now) => read.unchanged(&now),
-                Err(_) => false,
-            };
-            if !unchanged {
-                return Ok(false);
-            }
-        }
-        if let Some(lease) = &self.ack {
-            let (shard, id) = split_lease_id(lease);
-            // Fails with OUT_OF_RANGE if the lease is lost or the message was
-            // already acked; the error leaves the closure and the client
-            // rolls everything back.
-            tx.execute_update(
-                Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
-                    .add_param("s", shard)
-                    .add_param("id", id)
-                    .add_param("t", lease.token.clone())
-                    .build(),
-            )
-            .await?;
-        }
-        for e in &self.enqueues {
-            send_in(tx, e, self.shards, self.window).await?;
-        }
-        for (queue, key, hold) in &self.holds {
-            tx.execute_update(
-                Statement::builder(format!(
-                    "UPDATE onceq_dedup SET expires_at = {NOW} + @w WHERE queue = @q AND dedup_key = @k"
-                ))
-                .add_param("q", queue.clone())
-                .add_param("k", key.clone())
-                .add_param("w", micros(*hold))
-                .build(),
-            )
-            .await?;
-        }
-        tx.buffer(self.mutations.clone())?;
-        Ok(true)
-    }
-}
-
 struct SpannerTransaction {
     pool: Arc<Pool>,
+    /// The store's commit group.
+    group: Arc<commit::Group>,
     schema: Arc<Schema>,
     shards: u32,
     window: Duration,
@@ -1257,38 +1410,26 @@ impl Transaction for SpannerTransaction {
     }
 
     async fn commit(mut self: Box<Self>) -> StoreResult<()> {
-        // The snapshot's client serves the commit (one client per operation
-        // on the emulator).
-        let client = match self.snapshot.take() {
-            Some((c, _ro)) => c,
-            None => self.pool.get().await?,
-        };
-        let mut mutations = Vec::new();
-        for w in &self.writes {
-            let t = self.schema.table(&w.table).map_err(StoreError::Permanent)?;
-            mutations.push(mutation(t, w));
-        }
-        let ack = self.ack.clone();
-        let data = Arc::new(CommitData {
+        // The snapshot's client goes back to the pool; the batch's leader
+        // takes one for the whole batch.
+        self.snapshot = None;
+        let pending = commit::Pending {
             reads: std::mem::take(&mut self.reads),
+            writes: std::mem::take(&mut self.writes),
+            sends: std::mem::take(&mut self.enqueues),
             holds: std::mem::take(&mut self.holds),
-            enqueues: std::mem::take(&mut self.enqueues),
             ack: self.ack.take(),
-            mutations,
-            shards: self.shards,
-            window: self.window,
-        });
-        let result = run_rw(&client, move |tx| {
-            let d = data.clone();
-            async move { d.apply(&tx).await }
-        })
-        .await;
-        match (result, &ack) {
-            (Ok(true), _) => Ok(()),
-            (Ok(false), _) => Err(StoreError::Aborted("a row read by the handler changed before commit".into())),
-            (Err(e), Some(lease)) => Err(lease_error(e, lease)),
-            (Err(e), None) => Err(e),
-        }
+        };
+        let (pool, schema, shards, window) = (self.pool.clone(), self.schema.clone(), self.shards, self.window);
+        let driver = move || {
+            Arc::new(SpannerBatch {
+                pool: pool.clone(),
+                schema: schema.clone(),
+                shards,
+                window,
+            }) as Arc<dyn commit::BatchCommit>
+        };
+        self.group.commit(driver, pending).await
     }
 
     async fn rollback(self: Box<Self>) {}

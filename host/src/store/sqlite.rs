@@ -80,6 +80,8 @@ struct Inner {
     readers: Mutex<Vec<Connection>>,
     schema: Arc<Schema>,
     options: StoreOptions,
+    /// Message commits, grouped ([`commit::Group`]).
+    group: commit::Group,
 }
 
 /// The SQLite store.
@@ -313,34 +315,75 @@ fn queue_condition(q: Queues<'_>, n: usize) -> (String, String) {
     }
 }
 
-/// Insert one message (honouring its dedup key) on an open write
-/// transaction. The key is claimed first, in one statement (a live key
-/// makes it a no-op), so the common case is two statements.
-fn send_on(conn: &Connection, p: &SendParams, dedup_window: Duration) -> StoreResult<SendOutcome> {
-    let id = random_id();
-    if let Some(key) = &p.dedup_key {
-        let claimed = conn
+/// The statements of the commit path ([`commit::Executor`]) on one open
+/// SQLite write transaction. They never wait: [`commit::run_now`] drives them.
+struct SqliteExec<'c> {
+    conn: &'c Connection,
+    schema: &'c Schema,
+}
+
+impl commit::Executor for SqliteExec<'_> {
+    async fn reread(&mut self, read: &ReadRecord) -> StoreResult<Vec<Row>> {
+        match read.limit {
+            None => Ok(row_get_on(self.conn, &read.table, &read.key)?.into_iter().collect()),
+            Some(limit) => row_scan_on(self.conn, &read.table, &read.key, limit),
+        }
+    }
+
+    async fn delete_leased(&mut self, lease: &Lease) -> StoreResult<u64> {
+        let n = self
+            .conn
+            .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
+            .and_then(|mut s| s.execute(params![lease.message_id, lease.token]))
+            .map_err(classify)?;
+        Ok(n as u64)
+    }
+
+    async fn write(&mut self, w: &ValidWrite) -> StoreResult<()> {
+        apply_write(self.conn, table_of(self.schema, w)?, w)
+    }
+
+    /// One statement claims a free or expired key; a live claim makes it a
+    /// no-op, and then the holder's id is read.
+    async fn dedup_claim(&mut self, queue: &str, key: &str, id: &str, window: Duration) -> StoreResult<Option<String>> {
+        let claimed = self
+            .conn
             .prepare_cached(&format!(
                 "INSERT INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES (?1, ?2, ?3, {NOW} + ?4)
                  ON CONFLICT (queue, dedup_key) DO UPDATE SET message_id = excluded.message_id, expires_at = excluded.expires_at
                  WHERE onceq_dedup.expires_at <= {NOW}"
             ))
-            .and_then(|mut s| s.execute(params![p.queue, key, id, micros(p.dedup_window.unwrap_or(dedup_window))]))
+            .and_then(|mut s| s.execute(params![queue, key, id, micros(window)]))
             .map_err(classify)?;
-        if claimed == 0 {
-            let existing_id: String = conn
-                .prepare_cached("SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2")
-                .and_then(|mut s| s.query_row(params![p.queue, key], |r| r.get(0)))
-                .map_err(classify)?;
-            return Ok(SendOutcome::Duplicate { existing_id });
+        if claimed == 1 {
+            return Ok(None);
         }
+        self.conn
+            .prepare_cached("SELECT message_id FROM onceq_dedup WHERE queue = ?1 AND dedup_key = ?2")
+            .and_then(|mut s| s.query_row(params![queue, key], |r| r.get(0)))
+            .map(Some)
+            .map_err(classify)
     }
-    conn.prepare_cached(&format!(
-        "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, ?2, ?3, ?4, 0, {NOW}, {NOW} + ?5)"
-    ))
-    .and_then(|mut s| s.execute(params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(p.delay)]))
-    .map_err(classify)?;
-    Ok(SendOutcome::Sent { id })
+
+    async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()> {
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, ?2, ?3, ?4, 0, {NOW}, {NOW} + ?5)"
+            ))
+            .and_then(|mut s| s.execute(params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(p.delay)]))
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) -> StoreResult<()> {
+        self.conn
+            .prepare_cached(&format!(
+                "UPDATE onceq_dedup SET expires_at = {NOW} + ?3 WHERE queue = ?1 AND dedup_key = ?2"
+            ))
+            .and_then(|mut s| s.execute(params![queue, key, micros(window)]))
+            .map_err(classify)?;
+        Ok(())
+    }
 }
 
 fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
@@ -470,6 +513,7 @@ impl SqliteStore {
                 writer: tokio::sync::Mutex::new(conn),
                 readers: Mutex::new(Vec::new()),
                 schema: Arc::new(schema),
+                group: commit::Group::new(options.commit),
                 options: options.clone(),
             }),
         })
@@ -493,7 +537,81 @@ impl SqliteStore {
     }
 }
 
+/// SQLite's batch commit: one write transaction for the batch, a savepoint
+/// per message. A message whose reads changed (also by an earlier message
+/// of the batch: the re-read sees its writes), whose ack finds no row or
+/// whose write is refused rolls back to its savepoint and gets its own
+/// error; the others commit together, with one fsync.
+///
+/// It runs on tokio's blocking pool: a commit waits on the write lock and
+/// an fsync (milliseconds on a busy disk), which must not stall the async
+/// workers running handlers. The short statements (lease, renew, retry,
+/// a handler's reads: microseconds each) stay on the async workers; moving
+/// each to the blocking pool would cost more than the statement.
+///
+/// The committer holds the store weakly: dropping the store stops it.
+struct SqliteBatch(std::sync::Weak<Inner>);
+
+#[async_trait]
+impl commit::BatchCommit for SqliteBatch {
+    async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+        let n = batch.len();
+        let Some(inner) = self.0.upgrade() else {
+            return (0..n)
+                .map(|_| Err(StoreError::Unavailable("the store was closed".into())))
+                .collect();
+        };
+        match tokio::task::spawn_blocking(move || inner.commit_batch(batch)).await {
+            Ok(results) => results,
+            Err(e) => (0..n)
+                .map(|_| Err(StoreError::UnknownOutcome(format!("the commit thread failed: {e}"))))
+                .collect(),
+        }
+    }
+}
+
 impl Inner {
+    fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+        let all = |e: StoreError| batch.iter().map(|_| Err(e.clone())).collect::<Vec<_>>();
+        let mut conn = self.writer.blocking_lock();
+        let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+            Ok(tx) => tx,
+            Err(e) => return all(classify(e)),
+        };
+        let window = self.options.dedup_window;
+        let mut results = Vec::with_capacity(batch.len());
+        for p in &batch {
+            if let Err(e) = tx.execute_batch("SAVEPOINT onceq_message") {
+                return all(classify(e)); // dropping `tx` rolls back
+            }
+            let mut ex = SqliteExec {
+                conn: &tx,
+                schema: &self.schema,
+            };
+            let r = commit::run_now(commit::apply(&mut ex, p, window));
+            let end = if r.is_ok() {
+                "RELEASE onceq_message"
+            } else {
+                "ROLLBACK TO onceq_message; RELEASE onceq_message"
+            };
+            if let Err(e) = tx.execute_batch(end) {
+                return all(classify(e));
+            }
+            results.push(r);
+        }
+        match tx.commit() {
+            Ok(()) => results,
+            // A commit that fails for I/O reasons may or may not be durable.
+            Err(e) => {
+                let e = match classify(e) {
+                    StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
+                    other => other,
+                };
+                results.into_iter().map(|r| r.and(Err(e.clone()))).collect()
+            }
+        }
+    }
+
     async fn write<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
         let mut conn = self.writer.lock().await;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
@@ -541,7 +659,12 @@ impl Store for SqliteStore {
 
     async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
         let window = self.inner.options.dedup_window;
-        self.write(|c| params.iter().map(|p| send_on(c, p, window)).collect()).await
+        let schema = self.inner.schema.clone();
+        self.write(|c| {
+            let mut ex = SqliteExec { conn: c, schema: &schema };
+            params.iter().map(|p| commit::run_now(commit::send(&mut ex, p, window))).collect()
+        })
+        .await
     }
 
     async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
@@ -840,14 +963,6 @@ impl SqliteStore {
     }
 }
 
-struct Buffered {
-    reads: Vec<ReadRecord>,
-    writes: Vec<ValidWrite>,
-    enqueues: Vec<SendParams>,
-    holds: Vec<(String, String, Duration)>,
-    ack: Option<Lease>,
-}
-
 struct SqliteTransaction {
     inner: Arc<Inner>,
     /// A reader connection holding an open read transaction (the snapshot).
@@ -933,60 +1048,21 @@ impl Transaction for SqliteTransaction {
 
     async fn commit(mut self: Box<Self>) -> StoreResult<()> {
         self.end_snapshot();
-        // Move the buffers out: the reader connection (not `Sync`) must not
-        // be held across the await below.
-        let this = Buffered {
+        let pending = commit::Pending {
             reads: std::mem::take(&mut self.reads),
             writes: std::mem::take(&mut self.writes),
-            enqueues: std::mem::take(&mut self.enqueues),
+            sends: std::mem::take(&mut self.enqueues),
             holds: std::mem::take(&mut self.holds),
             ack: self.ack.take(),
         };
+        // The reader connection (not `Sync`) must not be held across the
+        // await below.
         let inner = self.inner.clone();
         drop(self);
-        let schema = inner.schema.clone();
-        let window = inner.options.dedup_window;
+        let weak = Arc::downgrade(&inner);
         inner
-            .write(|c| {
-                for read in &this.reads {
-                    let now = match read.limit {
-                        None => row_get_on(c, &read.table, &read.key)?.into_iter().collect(),
-                        Some(limit) => row_scan_on(c, &read.table, &read.key, limit)?,
-                    };
-                    if !read.unchanged(&now) {
-                        return Err(StoreError::Aborted(format!(
-                            "a row of {} read by the handler changed before commit",
-                            read.table.name
-                        )));
-                    }
-                }
-                if let Some(lease) = &this.ack {
-                    let n = c
-                        .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
-                        .and_then(|mut s| s.execute(params![lease.message_id, lease.token]))
-                        .map_err(classify)?;
-                    if n != 1 {
-                        // ASSERT_ROWS_MODIFIED 1 failed: roll everything back.
-                        return Err(StoreError::LeaseLost {
-                            message_id: lease.message_id.clone(),
-                        });
-                    }
-                }
-                for w in &this.writes {
-                    apply_write(c, table_of(&schema, w)?, w)?;
-                }
-                for e in &this.enqueues {
-                    send_on(c, e, window)?;
-                }
-                for (queue, key, hold) in &this.holds {
-                    c.prepare_cached(&format!(
-                        "UPDATE onceq_dedup SET expires_at = {NOW} + ?3 WHERE queue = ?1 AND dedup_key = ?2"
-                    ))
-                    .and_then(|mut s| s.execute(params![queue, key, micros(*hold)]))
-                    .map_err(classify)?;
-                }
-                Ok(())
-            })
+            .group
+            .commit(|| Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>, pending)
             .await
     }
 

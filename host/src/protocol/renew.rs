@@ -1,0 +1,121 @@
+//! Lease renewal: while a worker holds a batch, the leases of the messages
+//! not yet finished are renewed every third of the lease, so a handler or a
+//! delivery slower than the lease is not handed to another worker. A
+//! renewal that finds the lease gone, or no renewal in time, cancels the
+//! current message's work (its transaction rolls back) unless its commit is
+//! under way: then the commit's own guarded ack decides.
+
+use super::QueueRunner;
+use crate::store::{LeasedMessage, StoreError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::time::Instant;
+use tracing::warn;
+
+impl QueueRunner {
+    /// Renew the leases of `rest` (the current message first) every third
+    /// of the lease. Returns (to cancel the current message's work) once its
+    /// lease is lost or could not be renewed in time, unless its commit is
+    /// under way; otherwise runs until dropped.
+    pub(super) async fn renew_leases(
+        &self,
+        rest: &[LeasedMessage],
+        lost: &[AtomicBool],
+        renewed_at: &mut Instant,
+        committing: &AtomicBool,
+    ) {
+        let lease = self.spec.policy.lease;
+        let mut next = *renewed_at + lease / 3;
+        loop {
+            tokio::time::sleep_until(next.into()).await;
+            let round = Instant::now();
+            let mut all_ok = true;
+            for (j, lm) in rest.iter().enumerate() {
+                if lost[j].load(Ordering::Relaxed) || (j == 0 && committing.load(Ordering::Acquire)) {
+                    continue;
+                }
+                match self.store.message_lease_renew(&lm.lease, lease).await {
+                    Ok(()) => {
+                        self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(StoreError::LeaseLost { .. }) => lost[j].store(true, Ordering::Relaxed),
+                    Err(e) => {
+                        all_ok = false;
+                        warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease renewal failed (will retry): {e}");
+                    }
+                }
+            }
+            if all_ok {
+                *renewed_at = round;
+                next = round + lease / 3;
+            } else if Instant::now() + lease / 10 >= *renewed_at + lease {
+                // No renewal in time: another worker may hold these now.
+                for l in lost {
+                    l.store(true, Ordering::Relaxed);
+                }
+                next = Instant::now() + lease / 3;
+            } else {
+                next = Instant::now() + lease / 12;
+            }
+            if lost[0].load(Ordering::Relaxed) && !committing.load(Ordering::Acquire) {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::super::testing::*;
+    use crate::store::faulty::{FaultPlan, FaultyStore};
+    use crate::store::Store;
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_keeps_messages_slower_than_their_lease() {
+        let (_dir, store) = store();
+        let lease = Duration::from_secs(3);
+        // Two messages, each handled in 10 s: the second waits 10 s in its
+        // batch, then takes 10 s itself.
+        let batch = leased(&store, 2, lease).await;
+        let r = runner(&store, slow_writer(Duration::from_secs(10)), lease);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let started = tokio::time::Instant::now();
+        r.process_batch(&batch, started, &rx).await;
+        assert_eq!(r.metrics.processed.load(Relaxed), 2, "both committed");
+        assert_eq!(r.metrics.cancelled.load(Relaxed), 0);
+        // 20 s of work under a 3 s lease renewed every 1 s: about 20
+        // renewals of the current message and 10 of the waiting one.
+        let renewals = r.metrics.lease_renewals.load(Relaxed);
+        assert!((25..=35).contains(&renewals), "{renewals} renewals");
+        assert_eq!(rows(&store).await, 2);
+        assert!(started.elapsed() >= Duration::from_secs(20));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_whose_lease_cannot_be_renewed_is_cancelled_and_commits_nothing() {
+        let (_dir, base) = store();
+        let plan = FaultPlan {
+            renewals_fail: true,
+            ..FaultPlan::default()
+        };
+        let (faulty, counts) = FaultyStore::new(base.clone(), plan);
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let lease = Duration::from_secs(3);
+        let batch = leased(&store, 1, lease).await;
+        let r = runner(&store, slow_writer(Duration::from_secs(60)), lease);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let started = tokio::time::Instant::now();
+        r.process_batch(&batch, started, &rx).await;
+        assert_eq!(r.metrics.cancelled.load(Relaxed), 1, "the work was cancelled");
+        assert_eq!(r.metrics.processed.load(Relaxed), 0);
+        assert_eq!(rows(&base).await, 0, "nothing committed");
+        assert!(counts.renewals.load(Relaxed) >= 2, "renewals were tried");
+        // Cancelled before the lease ran out (at most lease - lease/10 in).
+        assert!(started.elapsed() < lease, "{:?}", started.elapsed());
+        // The message stays on its queue for the next lease holder.
+        assert_eq!(base.stats().await.unwrap().queues[0].leased, 1);
+    }
+}

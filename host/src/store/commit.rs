@@ -1,0 +1,346 @@
+//! The one commit path, for every store.
+//!
+//! A message transaction buffers what it wants committed in a [`Pending`]:
+//! the reads to re-check, the guarded ack, the row writes, the messages to
+//! send (follow-ups and outbox intents) and the dedup keys to hold. One
+//! routine, [`apply`], decides and applies a pending over a narrow
+//! per-driver [`Executor`] (re-run a read, delete a message if its lease
+//! holds, apply a write, claim a dedup key, insert a message, hold a key),
+//! always in the same order:
+//!
+//! 1. every recorded read is run again; a changed answer is
+//!    [`StoreError::Aborted`] (the handler is re-run on fresh data);
+//! 2. the ack: the message is deleted only if its lease token still
+//!    matches, and exactly one row must go, else [`StoreError::LeaseLost`]
+//!    (SQL's `ASSERT_ROWS_MODIFIED 1`);
+//! 3. only then the writes, the sends (a dedup key is claimed first: a live
+//!    claim drops the send) and the holds.
+//!
+//! So a message is *decided* (reads unchanged, lease held) before anything
+//! of it is written, on every store. A driver wraps `apply` in whatever
+//! isolates one message from the others of its batch: a savepoint on
+//! SQLite; on Spanner nothing is needed, because nothing of a message is
+//! written until it is decided, and any statement error fails the batch,
+//! which is then committed again one message at a time.
+//!
+//! [`Group`] collects the pendings of concurrent transactions and commits
+//! them together ("group commit"): one committer task per store commits
+//! what is queued (up to `commit.max_batch`) and hands every message its
+//! own result; what arrives while a batch commits forms the next batch. A
+//! lone message waits for nothing (`commit.max_wait` is zero by default).
+
+use super::*;
+use std::future::Future;
+use std::sync::Mutex;
+use tokio::sync::{mpsc, oneshot};
+
+/// What one message transaction asks to commit.
+#[derive(Debug, Default, Clone)]
+pub struct Pending {
+    pub reads: Vec<ReadRecord>,
+    pub writes: Vec<ValidWrite>,
+    pub sends: Vec<SendParams>,
+    /// (queue, key, window): keep a dedup key for `window` from commit.
+    pub holds: Vec<(String, String, Duration)>,
+    pub ack: Option<Lease>,
+}
+
+/// The statements a driver offers the commit routine, all inside one open
+/// read-write transaction.
+#[allow(async_fn_in_trait)] // crate-internal; drivers' futures are checked where used
+pub trait Executor {
+    /// Run a recorded read again, in the write transaction.
+    async fn reread(&mut self, read: &ReadRecord) -> StoreResult<Vec<Row>>;
+    /// Delete the message of `lease` if its token still matches; the number
+    /// of rows deleted.
+    async fn delete_leased(&mut self, lease: &Lease) -> StoreResult<u64>;
+    /// Apply a checked row write (insert, update, upsert, delete).
+    async fn write(&mut self, w: &ValidWrite) -> StoreResult<()>;
+    /// Claim `key` on `queue` for message `id` for `window`, unless a live
+    /// claim exists: `None` if claimed, else the id of the message holding it.
+    async fn dedup_claim(&mut self, queue: &str, key: &str, id: &str, window: Duration) -> StoreResult<Option<String>>;
+    /// Insert a new message with this id.
+    async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()>;
+    /// Keep an existing claim of `key` on `queue` for `window` from now.
+    async fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) -> StoreResult<()>;
+}
+
+/// Send one message: claim its dedup key first (the one dedup rule of
+/// every store: a live claim drops the send), then insert it.
+pub async fn send<E: Executor + ?Sized>(ex: &mut E, p: &SendParams, default_window: Duration) -> StoreResult<SendOutcome> {
+    let id = crate::value::random_id();
+    if let Some(key) = &p.dedup_key {
+        let window = p.dedup_window.unwrap_or(default_window);
+        if let Some(existing_id) = ex.dedup_claim(&p.queue, key, &id, window).await? {
+            return Ok(SendOutcome::Duplicate { existing_id });
+        }
+    }
+    ex.message_insert(&id, p).await?;
+    Ok(SendOutcome::Sent { id })
+}
+
+/// Decide and apply one pending (see the module docs for the order).
+pub async fn apply<E: Executor + ?Sized>(ex: &mut E, p: &Pending, dedup_window: Duration) -> StoreResult<()> {
+    for read in &p.reads {
+        let now = ex.reread(read).await?;
+        if !read.unchanged(&now) {
+            return Err(StoreError::Aborted(format!(
+                "a row of {} read by the handler changed before commit",
+                read.table.name
+            )));
+        }
+    }
+    if let Some(lease) = &p.ack {
+        if ex.delete_leased(lease).await? != 1 {
+            return Err(StoreError::LeaseLost {
+                message_id: lease.message_id.clone(),
+            });
+        }
+    }
+    for w in &p.writes {
+        ex.write(w).await?;
+    }
+    for s in &p.sends {
+        send(ex, s, dedup_window).await?;
+    }
+    for (queue, key, window) in &p.holds {
+        ex.dedup_hold(queue, key, *window).await?;
+    }
+    Ok(())
+}
+
+/// How pendings are grouped (`[commit]` in `onceq.toml`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CommitOptions {
+    /// Most messages in one database transaction (`commit.max_batch`); 1
+    /// commits every message alone.
+    pub max_batch: usize,
+    /// How long a leader waits for more messages before it commits
+    /// (`commit.max_wait`); zero commits what is queued at once.
+    pub max_wait: Duration,
+}
+
+impl Default for CommitOptions {
+    fn default() -> Self {
+        CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::ZERO,
+        }
+    }
+}
+
+/// Run a future that never waits (a driver whose statements are
+/// synchronous, like SQLite's) to its end, on this thread: polled once.
+pub fn run_now<T>(f: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
+    let mut f = std::pin::pin!(f);
+    match f.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => Err(StoreError::Permanent("a synchronous store statement waited".into())),
+    }
+}
+
+/// A driver's batch commit: one database transaction for all of `batch`,
+/// one result per pending, in order.
+#[async_trait]
+pub trait BatchCommit: Send + Sync {
+    async fn commit_batch(&self, batch: Vec<Pending>) -> Vec<StoreResult<()>>;
+}
+
+type Job = (Pending, oneshot::Sender<StoreResult<()>>);
+
+/// Group commit: see the module docs. One committer task per store takes
+/// what is queued (up to `max_batch`) and commits it while the workers go
+/// on handling messages; a worker waits only for its own message's result.
+pub struct Group {
+    options: CommitOptions,
+    /// The committer's queue, made (and the committer started) on first use
+    /// in the caller's tokio runtime; made anew if that committer is gone.
+    queue: Mutex<Option<mpsc::UnboundedSender<Job>>>,
+    /// Batches committed and messages in them (for `make bench`).
+    pub batches: Arc<std::sync::atomic::AtomicU64>,
+    pub messages: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Group {
+    pub fn new(options: CommitOptions) -> Group {
+        Group {
+            options: CommitOptions {
+                max_batch: options.max_batch.max(1),
+                ..options
+            },
+            queue: Mutex::new(None),
+            batches: Default::default(),
+            messages: Default::default(),
+        }
+    }
+
+    pub fn options(&self) -> CommitOptions {
+        self.options
+    }
+
+    /// Commit `p` with whatever else is being committed now; its own result.
+    /// `driver` is used if this call starts the committer: it must not own
+    /// the store strongly (the committer would keep it alive).
+    pub async fn commit(&self, driver: impl Fn() -> Arc<dyn BatchCommit>, p: Pending) -> StoreResult<()> {
+        let (tx, rx) = oneshot::channel();
+        let mut job = Some((p, tx));
+        for _ in 0..2 {
+            let sender = {
+                let mut q = self
+                    .queue
+                    .lock()
+                    .map_err(|_| StoreError::Permanent("commit queue poisoned".into()))?;
+                match q.as_ref().filter(|s| !s.is_closed()) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let (s, r) = mpsc::unbounded_channel();
+                        tokio::spawn(committer(r, driver(), self.options, self.batches.clone(), self.messages.clone()));
+                        *q = Some(s.clone());
+                        s
+                    }
+                }
+            };
+            match sender.send(job.take().ok_or_else(|| StoreError::Permanent("job sent twice".into()))?) {
+                Ok(()) => break,
+                Err(mpsc::error::SendError(j)) => job = Some(j), // the committer is gone: start another
+            }
+        }
+        if job.is_some() {
+            return Err(StoreError::Unavailable("the committer could not be started".into()));
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(StoreError::UnknownOutcome(
+                "the committer stopped during this message's batch".into(),
+            ))
+        })
+    }
+}
+
+/// The committer: take what is queued (up to `max_batch`, after waiting
+/// `max_wait` for more), commit it, hand out the results; until every
+/// sender is gone (the store was dropped).
+async fn committer(
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    driver: Arc<dyn BatchCommit>,
+    options: CommitOptions,
+    batches: Arc<std::sync::atomic::AtomicU64>,
+    messages: Arc<std::sync::atomic::AtomicU64>,
+) {
+    while let Some(first) = rx.recv().await {
+        if !options.max_wait.is_zero() {
+            tokio::time::sleep(options.max_wait).await;
+        }
+        let mut batch = vec![first];
+        while batch.len() < options.max_batch {
+            match rx.try_recv() {
+                Ok(j) => batch.push(j),
+                Err(_) => break,
+            }
+        }
+        let (pendings, senders): (Vec<Pending>, Vec<_>) = batch.into_iter().unzip();
+        let n = pendings.len();
+        let results = driver.commit_batch(pendings).await;
+        batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        messages.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut results = results.into_iter();
+        for tx in senders {
+            let r = results
+                .next()
+                .unwrap_or_else(|| Err(StoreError::Permanent("batch commit returned too few results".into())));
+            let _ = tx.send(r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Commits nothing; records batch sizes; fails pendings with an ack of
+    /// a message id starting with "lost".
+    struct Recorder {
+        sizes: Mutex<Vec<usize>>,
+        calls: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl BatchCommit for Recorder {
+        async fn commit_batch(&self, batch: Vec<Pending>) -> Vec<StoreResult<()>> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            self.sizes.lock().unwrap().push(batch.len());
+            tokio::task::yield_now().await;
+            batch
+                .iter()
+                .map(|p| match &p.ack {
+                    Some(l) if l.message_id.starts_with("lost") => Err(StoreError::LeaseLost {
+                        message_id: l.message_id.clone(),
+                    }),
+                    _ => Ok(()),
+                })
+                .collect()
+        }
+    }
+
+    fn pending(id: &str) -> Pending {
+        Pending {
+            ack: Some(Lease {
+                queue: "q".into(),
+                message_id: id.into(),
+                shard: 0,
+                token: "t".into(),
+            }),
+            ..Pending::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_commits_are_grouped_and_each_gets_its_own_result() {
+        let group = Arc::new(Group::new(CommitOptions {
+            max_batch: 16,
+            max_wait: Duration::from_millis(20),
+        }));
+        let rec = Arc::new(Recorder {
+            sizes: Mutex::new(vec![]),
+            calls: AtomicUsize::new(0),
+        });
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..40 {
+            let (g, r) = (group.clone(), rec.clone());
+            let id = if i % 10 == 3 { format!("lost-{i}") } else { format!("m-{i}") };
+            tasks.spawn(async move { (id.clone(), g.commit(|| r.clone() as Arc<dyn BatchCommit>, pending(&id)).await) });
+        }
+        let mut ok = 0;
+        while let Some(r) = tasks.join_next().await {
+            let (id, res) = r.unwrap();
+            match res {
+                Ok(()) => ok += 1,
+                Err(StoreError::LeaseLost { message_id }) => assert_eq!(message_id, id),
+                Err(e) => panic!("{id}: {e}"),
+            }
+        }
+        assert_eq!(ok, 36, "each message its own outcome");
+        let sizes = rec.sizes.lock().unwrap().clone();
+        assert_eq!(sizes.iter().sum::<usize>(), 40, "every pending committed once: {sizes:?}");
+        assert!(sizes.iter().all(|&n| n <= 16), "max_batch holds: {sizes:?}");
+        assert!(sizes.len() < 40, "grouped: {sizes:?}");
+        assert_eq!(group.messages.load(Ordering::Relaxed), 40);
+    }
+
+    #[tokio::test]
+    async fn max_batch_one_commits_each_message_alone() {
+        let group = Group::new(CommitOptions {
+            max_batch: 1,
+            max_wait: Duration::ZERO,
+        });
+        let rec = Arc::new(Recorder {
+            sizes: Mutex::new(vec![]),
+            calls: AtomicUsize::new(0),
+        });
+        let d = || rec.clone() as Arc<dyn BatchCommit>;
+        let (a, b) = tokio::join!(group.commit(d, pending("a")), group.commit(d, pending("b")));
+        assert!(a.is_ok() && b.is_ok());
+        assert_eq!(*rec.sizes.lock().unwrap(), vec![1, 1]);
+    }
+}
