@@ -181,6 +181,25 @@ struct Run {
     p99_us: u64,
 }
 
+/// The faster of two runs of one configuration (rounds interleave
+/// configurations; each keeps its best).
+fn best(a: Option<Run>, b: Run) -> Option<Run> {
+    match a {
+        Some(a) if a.msgs_per_s >= b.msgs_per_s => Some(a),
+        _ => Some(b),
+    }
+}
+
+/// A Markdown table row: throughput and latency quantiles.
+fn row(name: &str, r: &Run) {
+    println!(
+        "| {name} | {:.0} | {:.2} ms | {:.2} ms |",
+        r.msgs_per_s,
+        r.p50_us as f64 / 1000.0,
+        r.p99_us as f64 / 1000.0
+    )
+}
+
 async fn pipeline(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
     pipeline_with(dir, name, handler, n, workers, StoreOptions::default()).await
 }
@@ -637,10 +656,6 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
         o
     };
     let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
-    let best = |a: Option<Run>, b: Run| match a {
-        Some(a) if a.msgs_per_s >= b.msgs_per_s => Some(a),
-        _ => Some(b),
-    };
     let (mut g1, mut g4, mut g16, mut s1, mut s4, mut raw1, mut raw16, mut raw64) = (None, None, None, None, None, None, None, None);
     for r in 0..rounds {
         g1 = best(g1, pipeline_with(dir, &format!("g1-{r}.db"), wasm.clone(), n, 1, opts(64)).await);
@@ -655,14 +670,6 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
     let [g1, g4, g16, s1, s4, raw1, raw16, raw64] = [g1, g4, g16, s1, s4, raw1, raw16, raw64].map(Option::unwrap);
     println!("\n| group commit ({n} payments messages, Wasm handler, synchronous=FULL, best of {rounds}) | messages/s | p50 | p99 |");
     println!("|---|---|---|---|");
-    let row = |name: &str, r: &Run| {
-        println!(
-            "| {name} | {:.0} | {:.2} ms | {:.2} ms |",
-            r.msgs_per_s,
-            r.p50_us as f64 / 1000.0,
-            r.p99_us as f64 / 1000.0
-        )
-    };
     row("onceq, group commit (max_batch 64), 1 worker", &g1);
     row("onceq, group commit (max_batch 64), 4 workers", &g4);
     row("onceq, group commit (max_batch 64), 16 workers", &g16);
@@ -758,10 +765,6 @@ fn main() {
         // Interleave the configurations over a few rounds and keep each
         // one's best: on a noisy 2-core VM the disk and the neighbours drift.
         let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
-        let best = |a: Option<Run>, b: Run| match a {
-            Some(a) if a.msgs_per_s >= b.msgs_per_s => Some(a),
-            _ => Some(b),
-        };
         let (mut wasm1, mut native1, mut wasm4, mut native4, mut raw) = (None, None, None, None, None);
         for r in 0..rounds {
             wasm1 = best(wasm1, pipeline(dir.path(), &format!("wasm1-{r}.db"), wasm.clone(), n, 1).await);
@@ -800,14 +803,6 @@ fn main() {
         );
         println!("| pipeline | messages/s | p50 | p99 |");
         println!("|---|---|---|---|");
-        let row = |name: &str, r: &Run| {
-            println!(
-                "| {name} | {:.0} | {:.2} ms | {:.2} ms |",
-                r.msgs_per_s,
-                r.p50_us as f64 / 1000.0,
-                r.p99_us as f64 / 1000.0
-            )
-        };
         row("onceq, Wasm handler, 1 worker", &wasm1);
         row("onceq, native handler, 1 worker", &native1);
         row("onceq, Wasm handler, 4 workers", &wasm4);
