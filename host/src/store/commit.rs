@@ -45,6 +45,32 @@ pub struct Pending {
     pub ack: Option<Lease>,
 }
 
+impl Pending {
+    /// Record a read the handler made (re-checked at commit).
+    pub fn read(&mut self, table: &TableSchema, key: &[Value], limit: Option<usize>, result: Vec<Row>) {
+        self.reads.push(ReadRecord {
+            table: table.clone(),
+            key: key.to_vec(),
+            limit,
+            result,
+        });
+    }
+
+    /// The buffering half of [`Transaction`], the same for every store.
+    pub fn write(&mut self, w: ValidWrite) {
+        self.writes.push(w);
+    }
+    pub fn send(&mut self, p: SendParams) {
+        self.sends.push(p);
+    }
+    pub fn hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.holds.push((queue.to_string(), key.to_string(), window));
+    }
+    pub fn ack(&mut self, lease: &Lease) {
+        self.ack = Some(lease.clone());
+    }
+}
+
 /// The statements a driver offers the commit routine, all inside one open
 /// read-write transaction.
 #[allow(async_fn_in_trait)] // crate-internal; drivers' futures are checked where used

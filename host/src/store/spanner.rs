@@ -578,11 +578,6 @@ fn message_from_row(queue: &str, token: &str, r: &google_cloud_spanner::result::
     })
 }
 
-/// Where a leased message lives: (shard, id).
-fn split_lease_id(lease: &Lease) -> (i64, String) {
-    (lease.shard, lease.message_id.clone())
-}
-
 /// The statements of the commit path ([`commit::Executor`]) inside one
 /// Spanner read-write transaction. Reads, the ack, dedup claims, inserts and
 /// holds are DML or queries (a later statement of the same transaction sees
@@ -827,7 +822,7 @@ impl SpannerStore {
     /// `UPDATE onceq_messages SET <set> WHERE <lease>`: exactly one row, or
     /// `LeaseLost`.
     async fn guarded_update(&self, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
-        let (shard, id) = split_lease_id(lease);
+        let (shard, id) = (lease.shard, lease.message_id.clone());
         let sql = format!("UPDATE onceq_messages SET {set} WHERE shard = @s AND id = @id AND lease_token = @t");
         let token = lease.token.clone();
         let id2 = id.clone();
@@ -1049,7 +1044,7 @@ impl Store for SpannerStore {
     }
 
     async fn message_dead_letter(&self, lease: &Lease, p: DeadLetterParams) -> StoreResult<()> {
-        let (shard, id) = split_lease_id(lease);
+        let (shard, id) = (lease.shard, lease.message_id.clone());
         let clear = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
             .add_param("id", id.clone())
             .build();
@@ -1090,11 +1085,7 @@ impl Store for SpannerStore {
             shards: self.shards,
             window: self.options.dedup_window,
             snapshot: None,
-            reads: Vec::new(),
-            writes: Vec::new(),
-            enqueues: Vec::new(),
-            holds: Vec::new(),
-            ack: None,
+            pending: commit::Pending::default(),
             schema: self.schema.clone(),
         }))
     }
@@ -1326,11 +1317,8 @@ struct SpannerTransaction {
     window: Duration,
     /// The read-only snapshot serving the handler's reads, with its client.
     snapshot: Option<(Lent, google_cloud_spanner::transaction::MultiUseReadOnlyTransaction)>,
-    reads: Vec<ReadRecord>,
-    writes: Vec<ValidWrite>,
-    enqueues: Vec<SendParams>,
-    holds: Vec<(String, String, Duration)>,
-    ack: Option<Lease>,
+    /// What the commit will re-check and apply.
+    pending: commit::Pending,
 }
 
 impl SpannerTransaction {
@@ -1366,12 +1354,7 @@ impl Transaction for SpannerTransaction {
             .await
             .map_err(classify)?;
         let result = collect(table, rs).await?.into_iter().next();
-        self.reads.push(ReadRecord {
-            table: table.clone(),
-            key: key.to_vec(),
-            limit: None,
-            result: result.iter().cloned().collect(),
-        });
+        self.pending.read(table, key, None, result.iter().cloned().collect());
         Ok(result)
     }
 
@@ -1384,42 +1367,31 @@ impl Transaction for SpannerTransaction {
             .await
             .map_err(classify)?;
         let result = collect(table, rs).await?;
-        self.reads.push(ReadRecord {
-            table: table.clone(),
-            key: prefix.to_vec(),
-            limit: Some(limit),
-            result: result.clone(),
-        });
+        self.pending.read(table, prefix, Some(limit), result.clone());
         Ok(result)
     }
 
     fn row_write(&mut self, write: ValidWrite) {
-        self.writes.push(write);
+        self.pending.write(write)
     }
 
     fn message_enqueue(&mut self, params: SendParams) {
-        self.enqueues.push(params);
+        self.pending.send(params)
     }
 
     fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
-        self.holds.push((queue.to_string(), key.to_string(), window));
+        self.pending.hold(queue, key, window)
     }
 
     fn message_ack(&mut self, lease: &Lease) {
-        self.ack = Some(lease.clone());
+        self.pending.ack(lease)
     }
 
     async fn commit(mut self: Box<Self>) -> StoreResult<()> {
         // The snapshot's client goes back to the pool; the batch's leader
         // takes one for the whole batch.
         self.snapshot = None;
-        let pending = commit::Pending {
-            reads: std::mem::take(&mut self.reads),
-            writes: std::mem::take(&mut self.writes),
-            sends: std::mem::take(&mut self.enqueues),
-            holds: std::mem::take(&mut self.holds),
-            ack: self.ack.take(),
-        };
+        let pending = std::mem::take(&mut self.pending);
         let (pool, schema, shards, window) = (self.pool.clone(), self.schema.clone(), self.shards, self.window);
         let driver = move || {
             Arc::new(SpannerBatch {

@@ -763,11 +763,7 @@ impl Store for SqliteStore {
         Ok(Box::new(SqliteTransaction {
             inner: self.inner.clone(),
             reader: None,
-            reads: Vec::new(),
-            writes: Vec::new(),
-            enqueues: Vec::new(),
-            holds: Vec::new(),
-            ack: None,
+            pending: commit::Pending::default(),
         }))
     }
 
@@ -967,11 +963,8 @@ struct SqliteTransaction {
     inner: Arc<Inner>,
     /// A reader connection holding an open read transaction (the snapshot).
     reader: Option<Connection>,
-    reads: Vec<ReadRecord>,
-    writes: Vec<ValidWrite>,
-    enqueues: Vec<SendParams>,
-    holds: Vec<(String, String, Duration)>,
-    ack: Option<Lease>,
+    /// What the commit will re-check and apply.
+    pending: commit::Pending,
 }
 
 impl SqliteTransaction {
@@ -1009,52 +1002,36 @@ fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSche
 impl Transaction for SqliteTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
         let result = row_get_on(self.snapshot()?, table, key)?;
-        self.reads.push(ReadRecord {
-            table: table.clone(),
-            key: key.to_vec(),
-            limit: None,
-            result: result.iter().cloned().collect(),
-        });
+        self.pending.read(table, key, None, result.iter().cloned().collect());
         Ok(result)
     }
 
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         let limit = limit.min(MAX_SCAN_ROWS);
         let result = row_scan_on(self.snapshot()?, table, prefix, limit)?;
-        self.reads.push(ReadRecord {
-            table: table.clone(),
-            key: prefix.to_vec(),
-            limit: Some(limit),
-            result: result.clone(),
-        });
+        self.pending.read(table, prefix, Some(limit), result.clone());
         Ok(result)
     }
 
     fn row_write(&mut self, write: ValidWrite) {
-        self.writes.push(write);
+        self.pending.write(write)
     }
 
     fn message_enqueue(&mut self, params: SendParams) {
-        self.enqueues.push(params);
+        self.pending.send(params)
     }
 
     fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
-        self.holds.push((queue.to_string(), key.to_string(), window));
+        self.pending.hold(queue, key, window)
     }
 
     fn message_ack(&mut self, lease: &Lease) {
-        self.ack = Some(lease.clone());
+        self.pending.ack(lease)
     }
 
     async fn commit(mut self: Box<Self>) -> StoreResult<()> {
         self.end_snapshot();
-        let pending = commit::Pending {
-            reads: std::mem::take(&mut self.reads),
-            writes: std::mem::take(&mut self.writes),
-            sends: std::mem::take(&mut self.enqueues),
-            holds: std::mem::take(&mut self.holds),
-            ack: self.ack.take(),
-        };
+        let pending = std::mem::take(&mut self.pending);
         // The reader connection (not `Sync`) must not be held across the
         // await below.
         let inner = self.inner.clone();
