@@ -176,12 +176,13 @@ async fn spanner_shared_client_mode_processes_payments_exactly_once() {
 }
 
 /// Three `onceq run` processes (each its own client pool) on one emulator
-/// database drain 1,000 messages: none lost, none processed twice.
+/// database drain 300 messages (`ONCEQ_TEST_MESSAGES`): none lost, none
+/// processed twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_three_hosts_drain_one_queue_exactly_once() {
     let (store, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
     seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
-    let n = 1000;
+    let n: usize = std::env::var("ONCEQ_TEST_MESSAGES").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
     send_orders(store.as_ref(), n, ACCOUNTS).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -224,7 +225,8 @@ listen = "127.0.0.1:0"
         ),
     )
     .unwrap();
-    let hosts: Vec<_> = (0..3)
+    let n_hosts: usize = std::env::var("ONCEQ_TEST_HOSTS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let hosts: Vec<_> = (0..n_hosts)
         .map(|_| {
             std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
                 .current_dir(dir.path())
@@ -236,10 +238,14 @@ listen = "127.0.0.1:0"
                 .unwrap()
         })
         .collect();
+    let started = std::time::Instant::now();
     let mut per_host = Vec::new();
     for h in hosts {
         let out = tokio::task::spawn_blocking(move || h.wait_with_output()).await.unwrap().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: String = stderr.chars().rev().take(3000).collect::<Vec<_>>().into_iter().rev().collect();
+        eprintln!("host: {stdout}{tail}");
         assert!(
             out.status.success(),
             "host failed: {stdout}{}",
@@ -253,6 +259,7 @@ listen = "127.0.0.1:0"
             .unwrap_or_else(|| panic!("no summary in {stdout}"));
         per_host.push(processed);
     }
+    eprintln!("{n} messages by {n_hosts} hosts in {:?}: {per_host:?}", started.elapsed());
     check_payments(store.as_ref(), n, ACCOUNTS, BALANCE, Some(&dir.path().join("charges.jsonl"))).await;
     assert_eq!(per_host.iter().sum::<u64>(), n as u64, "acks across hosts add up: {per_host:?}");
     assert!(

@@ -2,7 +2,11 @@
 //! emulator through a TCP proxy that cuts connections at random after a
 //! request went through (responses lost, commits in flight). Every payments
 //! order must still be applied exactly once and every message accounted for.
-//! (Its own test binary: it points SPANNER_EMULATOR_HOST at the proxy.)
+//! And connections that go silent without closing (half-open): calls miss
+//! their deadline, the connection is replaced, and the host drains the
+//! queue on its own.
+//! (Its own test binary: its tests point SPANNER_EMULATOR_HOST at their
+//! proxy, one test at a time.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -18,19 +22,37 @@ use std::sync::Arc;
 const ACCOUNTS: usize = 10;
 const BALANCE: i64 = 1_000_000;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn payments_exactly_once_with_connections_cut_mid_rpc() {
-    let emulator: std::net::SocketAddr = std::env::var("SPANNER_EMULATOR_HOST")
+/// The tests point the process-wide SPANNER_EMULATOR_HOST at their own
+/// proxy: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn emulator() -> std::net::SocketAddr {
+    std::env::var("SPANNER_EMULATOR_UPSTREAM")
+        .or_else(|_| std::env::var("SPANNER_EMULATOR_HOST"))
         .expect("SPANNER_EMULATOR_HOST: run through make test")
         .parse()
-        .unwrap();
+        .unwrap()
+}
+
+/// Point every client created from now on at `proxy` (the emulator's own
+/// address kept for the next test).
+fn through(proxy: &Proxy) {
+    if std::env::var("SPANNER_EMULATOR_UPSTREAM").is_err() {
+        std::env::set_var("SPANNER_EMULATOR_UPSTREAM", std::env::var("SPANNER_EMULATOR_HOST").unwrap());
+    }
+    std::env::set_var("SPANNER_EMULATOR_HOST", proxy.addr.to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_exactly_once_with_connections_cut_mid_rpc() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let emulator = emulator();
     // Google's client retries a cut RPC itself after a backoff (about half a
     // second on average), so each cut costs time: 1.5% of response chunks
     // gives some 40 cuts and a drain of about 30 s here; the limit below
     // leaves room for a slow CI machine.
     let proxy = Proxy::start(emulator, 0.015, 5).await;
-    // Every client created from now on goes through the proxy.
-    std::env::set_var("SPANNER_EMULATOR_HOST", proxy.addr.to_string());
+    through(&proxy);
 
     let (store, _) = spanner_db(
         PAYMENTS_SPANNER_SQL,
@@ -73,4 +95,63 @@ async fn payments_exactly_once_with_connections_cut_mid_rpc() {
         n as u64,
         "every message acked exactly once"
     );
+}
+
+/// The review's wedge: connections that stop answering without closing
+/// (a NAT forgot the flow). Every call has a deadline; one that misses it
+/// replaces the connection, so the host comes out on its own: the queue
+/// drains, each order applied once, and the stall is visible in the
+/// store-error counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_connections_do_not_wedge_the_host() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let proxy = Proxy::start(emulator(), 0.0, 7).await;
+    through(&proxy);
+    let (setup, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
+    seed_accounts(setup.as_ref(), ACCOUNTS, BALANCE).await;
+    let n = 80;
+    send_orders(setup.as_ref(), n, ACCOUNTS).await;
+    // The host under test: a short call deadline, so the test is quick.
+    let options = StoreOptions {
+        spanner_clients: 4,
+        spanner_call_timeout: std::time::Duration::from_secs(2),
+        ..Default::default()
+    };
+    let store = onceq::store::open(&format!("spanner://{database}"), &options).await.unwrap();
+
+    let rt = runtime();
+    let handler = Arc::new(wasm(&rt, "payments", HandlerLimits::default()));
+    let mut p = policy(2, 20);
+    p.lease = std::time::Duration::from_secs(3);
+    let r = runner(&store, "payments", handler, grants(&["accounts", "orders"], &[], &["charge"]), p);
+    let accepted_before = proxy.accepted.load(Relaxed);
+    let (blackhole, m) = (proxy.blackhole.clone(), r.clone());
+    let faults = tokio::spawn(async move {
+        // Once work is under way, every connection open now goes silent.
+        wait_until("the first commits", std::time::Duration::from_secs(60), || {
+            let m = m.clone();
+            async move { m.metrics.processed.load(Relaxed) >= 5 }
+        })
+        .await;
+        blackhole.store(true, Relaxed);
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        blackhole.store(false, Relaxed);
+    });
+    drain_within(&store, std::slice::from_ref(&r), std::time::Duration::from_secs(180)).await;
+    faults.await.unwrap();
+
+    let silenced = proxy.silenced.load(Relaxed);
+    assert!(silenced >= 1, "connections went silent");
+    assert!(
+        proxy.accepted.load(Relaxed) > accepted_before,
+        "the host connected afresh after its connection went silent"
+    );
+    check_payments_exactly_once(store.as_ref(), n, ACCOUNTS, BALANCE).await;
+    let errors = r.metrics.store_errors();
+    eprintln!("silenced {silenced} connections; store errors {errors:?}");
+    assert!(
+        errors.get("unknown_outcome").copied().unwrap_or(0) + errors.get("unavailable").copied().unwrap_or(0) > 0,
+        "the stall shows in the store-error counts: {errors:?}"
+    );
+    assert_eq!(r.metrics.acked(), n as u64, "every message acked exactly once");
 }

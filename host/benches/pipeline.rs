@@ -518,6 +518,7 @@ async fn spanner_db(n: usize) -> (Arc<dyn Store>, String) {
         shards: 8,
         clients: 4,
         exclusive: None,
+        call_timeout: StoreOptions::default().spanner_call_timeout,
     };
     let store: Arc<dyn Store> = Arc::new(SpannerStore::init(&opts, ddl, &StoreOptions::default()).await.unwrap());
     let schema = store.schema();

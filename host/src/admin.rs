@@ -312,6 +312,35 @@ impl prometheus_client::collector::Collector for Collector {
             "Leases lost (expired and taken by another worker, or renewal failed)",
             &rows(runners, queue, |m| m.lease_lost.load(Relaxed)),
         )?;
+        let store_errors: Vec<(Labels, u64)> = runners
+            .iter()
+            .flat_map(|r| {
+                r.metrics
+                    .store_errors()
+                    .into_iter()
+                    .map(|(class, n)| (vec![("queue", r.spec.name.clone()), ("class", class.to_string())], n))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        counters(
+            &mut e,
+            "onceq_store_errors",
+            "Failed store calls (lease, commit, renewal, release, retry, dead letter) by error class",
+            &store_errors,
+        )?;
+        {
+            let mut m = e.encode_descriptor(
+                "onceq_seconds_since_last_commit",
+                "Seconds since the queue last committed a message (absent until its first commit)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for r in runners {
+                if let Some(secs) = r.metrics.seconds_since_commit() {
+                    ConstGauge::new(secs).encode(m.encode_family(&queue(r))?)?;
+                }
+            }
+        }
         gauges(
             &mut e,
             "onceq_in_flight",

@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::outbox;
-use crate::protocol::{self, Handler, QueueRunner, QueueSpec};
+use crate::protocol::{self, QueueRunner};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
 use crate::store::{self, SendOutcome, SendParams, Store};
 use crate::value::{random_id, Message};
@@ -32,21 +32,7 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
     runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
     let mut out = Vec::new();
     for q in &cfg.queues {
-        q.check_grants(&store.schema())?;
-        let handler = runtime
-            .load_file(&q.handler, q.limits)
-            .with_context(|| format!("queue {}", q.name))?;
-        tracing::info!(queue = %q.name, version = %handler.version(), handler = %q.handler.display(), "handler loaded");
-        out.push(Arc::new(QueueRunner::new(
-            QueueSpec {
-                name: q.name.clone(),
-                handler: Arc::new(handler),
-                grants: q.grants.clone(),
-                limits: q.effect_limits,
-                policy: q.policy.clone(),
-            },
-            store.clone(),
-        )));
+        out.push(q.runner(store, |q| Ok(Arc::new(runtime.load_file(&q.handler, q.limits)?)))?);
     }
     out.extend(build_outbox_runners(cfg, store)?);
     Ok(out)

@@ -32,6 +32,7 @@ struct RawSpanner {
     shards: Option<u32>,
     clients: Option<usize>,
     exclusive_clients: Option<bool>,
+    call_timeout: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -180,6 +181,31 @@ pub struct QueueConfig {
 }
 
 impl QueueConfig {
+    /// The queue's runner on `store`: its grants checked against the
+    /// store's schema, then its handler loaded by `load` (a compilation can
+    /// take seconds, so a bad grant is refused first). The one place a
+    /// runner is built from configuration (`onceq run` through the
+    /// deployer, the demo).
+    pub fn runner(
+        &self,
+        store: &std::sync::Arc<dyn crate::store::Store>,
+        load: impl FnOnce(&QueueConfig) -> anyhow::Result<std::sync::Arc<dyn crate::protocol::Handler>>,
+    ) -> anyhow::Result<std::sync::Arc<crate::protocol::QueueRunner>> {
+        self.check_grants(&store.schema())?;
+        let handler = load(self).with_context(|| format!("queue {}", self.name))?;
+        tracing::info!(queue = %self.name, version = %handler.version(), handler = %self.handler.display(), "handler loaded");
+        Ok(std::sync::Arc::new(crate::protocol::QueueRunner::new(
+            crate::protocol::QueueSpec {
+                name: self.name.clone(),
+                handler,
+                grants: self.grants.clone(),
+                limits: self.effect_limits,
+                policy: self.policy.clone(),
+            },
+            store.clone(),
+        )))
+    }
+
     /// Check the queue's table grants against the database schema (the one
     /// place grants are checked against what exists; effects are checked
     /// against the grants at run time).
@@ -384,6 +410,13 @@ impl Config {
             store_options.spanner_clients = n.max(1);
         }
         store_options.spanner_exclusive_clients = raw.spanner.exclusive_clients;
+        if let Some(t) = &raw.spanner.call_timeout {
+            let t = at_most("spanner.call_timeout", parse_duration("spanner.call_timeout", t)?, Duration::from_secs(600))?;
+            if t < Duration::from_millis(100) {
+                bail!("spanner.call_timeout must be at least 100ms, got {t:?}");
+            }
+            store_options.spanner_call_timeout = t;
+        }
         if let Some(n) = raw.commit.max_batch {
             if n == 0 {
                 bail!("commit.max_batch must be at least 1 (1 commits every message alone)");

@@ -23,7 +23,7 @@
 //!   restart or a rollback does not recompile.
 
 use crate::config::{Config, QueueConfig};
-use crate::protocol::{Handler, QueueRunner, QueueSpec};
+use crate::protocol::{Handler, QueueRunner};
 use crate::runtime::{HandlerLimits, Runtime};
 use crate::store::Store;
 use anyhow::Context;
@@ -143,22 +143,15 @@ impl Deployer {
         let mut slots = BTreeMap::new();
         let mut runners = Vec::new();
         for q in &cfg.queues {
-            q.check_grants(&store.schema())?;
-            let (handler, deployment) = Self::initial(&dir, &runtime, q, history.queues.get(&q.name))?;
+            let mut deployment = None;
+            let runner = q.runner(store, |q| {
+                let (handler, d) = Self::initial(&dir, &runtime, q, history.queues.get(&q.name))?;
+                deployment = d;
+                Ok(handler)
+            })?;
             if let Some(d) = deployment {
                 history.queues.entry(q.name.clone()).or_default().push(d);
             }
-            tracing::info!(queue = %q.name, version = %handler.version(), "handler loaded");
-            let runner = Arc::new(QueueRunner::new(
-                QueueSpec {
-                    name: q.name.clone(),
-                    handler,
-                    grants: q.grants.clone(),
-                    limits: q.effect_limits,
-                    policy: q.policy.clone(),
-                },
-                store.clone(),
-            ));
             slots.insert(
                 q.name.clone(),
                 Slot {

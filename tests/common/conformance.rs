@@ -93,10 +93,13 @@ pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {
         s.message_retry_later(stale, Duration::ZERO, "x").await,
         Err(StoreError::LeaseLost { .. })
     ));
-    assert!(matches!(
-        s.message_lease_renew(stale, Duration::from_secs(1)).await,
-        Err(StoreError::LeaseLost { .. })
-    ));
+    assert_eq!(
+        s.message_lease_renew(&[stale.clone(), second.lease.clone()], Duration::from_secs(1))
+            .await
+            .unwrap(),
+        vec![false, true],
+        "a renewal says which leases are lost"
+    );
     assert!(matches!(s.message_release(stale).await, Err(StoreError::LeaseLost { .. })));
     let dl = DeadLetterParams {
         reason: "x".into(),
@@ -111,7 +114,10 @@ pub async fn renew_keeps_the_lease(store: Arc<dyn Store>) {
     s.message_send(vec![send("renewed", "r"), send("control", "c")]).await.unwrap();
     let renewed = lease(s, "renewed", 1, 300).await.remove(0);
     let _control = lease(s, "control", 1, 300).await.remove(0);
-    s.message_lease_renew(&renewed.lease, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        s.message_lease_renew(std::slice::from_ref(&renewed.lease), Duration::from_secs(30)).await.unwrap(),
+        vec![true]
+    );
     let st = store.clone();
     wait_until("the control lease to expire", Duration::from_secs(10), || {
         let st = st.clone();

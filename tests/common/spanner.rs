@@ -24,6 +24,7 @@ pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, St
         shards: 4,
         clients: 4,
         exclusive: None,
+        call_timeout: options.spanner_call_timeout,
     };
     let store = SpannerStore::init(&opts, ddl, &options)
         .await

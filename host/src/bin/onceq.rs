@@ -396,6 +396,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 if queues.is_empty() {
                     println!("(no messages)");
                 }
+                for q in queues.iter().filter(|q| q.expired_leases > 0) {
+                    println!(
+                        "{}: {} of the ready messages were leased by a worker that is gone (crashed, stalled or cut off from the store); another worker takes them again",
+                        printable(&q.queue),
+                        q.expired_leases
+                    );
+                }
                 println!();
                 println!(
                     "{:<24} {:>8} {:>9} {:>8} {:>10}",

@@ -39,6 +39,7 @@ impl QueueRunner {
         span.record("outcome", tracing::field::debug(&outcome));
         match &outcome {
             Outcome::Acked => {
+                m.committed_now();
                 m.processed.fetch_add(1, Ordering::Relaxed);
                 m.record_version(&version, |c| c.processed += 1);
                 m.record_latency(started.elapsed());
@@ -75,13 +76,16 @@ impl QueueRunner {
                 Ok(()) => return Outcome::Acked,
                 Err(e) => e,
             };
+            if let AttemptError::Store(e) = &err {
+                self.metrics.store_error(e);
+            }
             match err {
                 AttemptError::Store(e) if e.is_retryable() || e.is_unknown_outcome() => match self.spec.policy.rerun(&e, reruns) {
                     Rerun::Now => {
                         reruns += 1;
                         unknown_seen = true;
                         self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
-                        info!("commit outcome unknown, re-running the message: {e}");
+                        warn!(class = e.class(), "commit outcome unknown, re-running the message (its ack decides): {e}");
                     }
                     Rerun::After(pause) => {
                         reruns += 1;
@@ -90,6 +94,7 @@ impl QueueRunner {
                         tokio::time::sleep(pause).await;
                     }
                     Rerun::Stop => {
+                        warn!(class = e.class(), "store failing after {reruns} re-runs: {e}");
                         return self
                             .fail(lm, handler, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
                             .await;
@@ -223,12 +228,18 @@ impl QueueRunner {
                     };
                 }
                 Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && tries < self.spec.policy.max_reruns => {
+                    self.metrics.store_error(&e);
+                    if e.is_unknown_outcome() {
+                        warn!(class = e.class(), "recording the failure: outcome unknown, trying again: {e}");
+                    }
                     tries += 1;
                     unknown_seen |= e.is_unknown_outcome();
                     tokio::time::sleep(retry::rerun_pause(tries)).await;
                 }
                 Err(e) => {
+                    self.metrics.store_error(&e);
                     warn!(
+                        class = e.class(),
                         "could not record the failure (the lease will expire and the message will be retried): {e}; failure was: {failure}"
                     );
                     return Outcome::LeaseLost;

@@ -40,6 +40,11 @@ pub struct Metrics {
     /// Time inside the handler call (instantiation, reads, the call),
     /// microseconds, per attempt.
     pub handler_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+    /// Failed store calls by error class ([`crate::store::StoreError::class`]).
+    pub store_errors: Mutex<BTreeMap<&'static str, u64>>,
+    /// When this queue last committed a message (Unix microseconds; 0:
+    /// never since start).
+    pub last_commit_us: AtomicI64,
 }
 
 type Hist = Mutex<Option<hdrhistogram::Histogram<u64>>>;
@@ -89,6 +94,36 @@ pub struct VersionCounts {
 }
 
 impl Metrics {
+    /// Count a failed store call by its class.
+    pub(super) fn store_error(&self, e: &crate::store::StoreError) {
+        if let Ok(mut m) = self.store_errors.lock() {
+            *m.entry(e.class()).or_default() += 1;
+        }
+    }
+
+    /// Failed store calls so far, by class.
+    pub fn store_errors(&self) -> BTreeMap<&'static str, u64> {
+        self.store_errors.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    pub(super) fn committed_now(&self) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        self.last_commit_us.store(now, Ordering::Relaxed);
+    }
+
+    /// Seconds since this queue last committed a message, `None` if it has
+    /// not since start.
+    pub fn seconds_since_commit(&self) -> Option<f64> {
+        let at = self.last_commit_us.load(Ordering::Relaxed);
+        if at == 0 {
+            return None;
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?;
+        Some((now.as_micros() as f64 - at as f64).max(0.0) / 1e6)
+    }
+
     pub(super) fn record_version(&self, version: &str, f: impl FnOnce(&mut VersionCounts)) {
         if let Ok(mut m) = self.by_version.lock() {
             match m.get_mut(version) {

@@ -27,7 +27,8 @@
 //!
 //! **Long-running work.** While a worker holds a batch, it renews the
 //! leases of the messages not yet finished every third of the lease
-//! (`Store::message_lease_renew`: guarded by the token, one row), so a
+//! (`Store::message_lease_renew`: each guarded by its token, the whole
+//! batch in one transaction), so a
 //! handler or a delivery slower than the lease is not handed to another
 //! worker. If a renewal finds the lease gone, or no renewal succeeds before
 //! the lease runs out, the message's work is cancelled (dropped: its

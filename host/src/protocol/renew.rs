@@ -6,7 +6,7 @@
 //! under way: then the commit's own guarded ack decides.
 
 use super::QueueRunner;
-use crate::store::{LeasedMessage, StoreError};
+use crate::store::LeasedMessage;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::time::Instant;
 use tracing::warn;
@@ -28,22 +28,28 @@ impl QueueRunner {
         loop {
             tokio::time::sleep_until(next.into()).await;
             let round = Instant::now();
-            let mut all_ok = true;
-            for (j, lm) in rest.iter().enumerate() {
-                if lost[j].load(Ordering::Relaxed) || (j == 0 && committing.load(Ordering::Acquire)) {
-                    continue;
-                }
-                match self.store.message_lease_renew(&lm.lease, lease).await {
-                    Ok(()) => {
-                        self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+            // The leases still held, renewed together in one transaction.
+            let due: Vec<usize> = (0..rest.len())
+                .filter(|&j| !lost[j].load(Ordering::Relaxed) && !(j == 0 && committing.load(Ordering::Acquire)))
+                .collect();
+            let leases: Vec<_> = due.iter().filter_map(|&j| rest.get(j).map(|lm| lm.lease.clone())).collect();
+            let all_ok = match self.store.message_lease_renew(&leases, lease).await {
+                Ok(held) => {
+                    for (&j, held) in due.iter().zip(held) {
+                        if held {
+                            self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            lost[j].store(true, Ordering::Relaxed);
+                        }
                     }
-                    Err(StoreError::LeaseLost { .. }) => lost[j].store(true, Ordering::Relaxed),
-                    Err(e) => {
-                        all_ok = false;
-                        warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease renewal failed (will retry): {e}");
-                    }
+                    true
                 }
-            }
+                Err(e) => {
+                    self.metrics.store_error(&e);
+                    warn!(queue = %self.spec.name, leases = leases.len(), class = e.class(), "lease renewal failed (will retry): {e}");
+                    false
+                }
+            };
             if all_ok {
                 *renewed_at = round;
                 next = round + lease / 3;

@@ -48,7 +48,8 @@ impl QueueRunner {
             let batch = match leased {
                 Ok(b) => b,
                 Err(e) => {
-                    warn!(queue = %self.spec.name, "lease failed: {e}");
+                    self.metrics.store_error(&e);
+                    warn!(queue = %self.spec.name, class = e.class(), "lease failed: {e}");
                     sleep_or_shutdown(&mut shutdown, jittered(p.poll_max)).await;
                     continue;
                 }
@@ -104,7 +105,10 @@ impl QueueRunner {
             Ok(()) => {
                 self.metrics.released.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => warn!(queue = %self.spec.name, message_id = %lm.message.id, "release failed (the lease will expire): {e}"),
+            Err(e) => {
+                self.metrics.store_error(&e);
+                warn!(queue = %self.spec.name, message_id = %lm.message.id, class = e.class(), "release failed (the lease will expire): {e}")
+            }
         }
     }
 }

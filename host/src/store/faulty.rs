@@ -116,12 +116,12 @@ impl Store for FaultyStore {
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
         self.inner.message_lease(params).await
     }
-    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
+    async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
         if self.injector.plan.renewals_fail {
             self.injector.counts.renewals.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Unavailable("injected: lease renewal failed".into()));
         }
-        self.inner.message_lease_renew(lease, duration).await
+        self.inner.message_lease_renew(leases, duration).await
     }
     async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
         self.inner.message_release(lease).await

@@ -69,6 +69,18 @@ impl StoreError {
     pub fn is_unknown_outcome(&self) -> bool {
         matches!(self, StoreError::UnknownOutcome(_))
     }
+    /// The error's class, as logs and metrics name it.
+    pub fn class(&self) -> &'static str {
+        match self {
+            StoreError::Aborted(_) => "aborted",
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::UnknownOutcome(_) => "unknown_outcome",
+            StoreError::LeaseLost { .. } => "lease_lost",
+            StoreError::AssertionFailed(_) => "assertion_failed",
+            StoreError::WriteRefused(_) => "write_refused",
+            StoreError::Permanent(_) => "permanent",
+        }
+    }
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -237,6 +249,10 @@ pub struct QueueStats {
     pub leased: u64,
     /// Waiting for a delay or a retry backoff.
     pub delayed: u64,
+    /// Of `ready`: messages whose lease expired without an outcome (the
+    /// holder crashed, stalled, or lost the store): another worker takes
+    /// them again. Many of these means hosts are dying mid-message.
+    pub expired_leases: u64,
     /// In the dead-letter table.
     pub dead: u64,
     /// When the next delayed message becomes visible, in milliseconds from
@@ -277,8 +293,10 @@ pub trait Store: Send + Sync + 'static {
     /// token, make it invisible until now + lease, count the attempt.
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>>;
 
-    /// Extend a lease to now + `lease` (guarded by the token).
-    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()>;
+    /// Extend leases to now + `duration`, each guarded by its token, in one
+    /// transaction (a worker renews its whole batch at once). Per lease:
+    /// `true` if renewed, `false` if lost (expired and re-leased, or acked).
+    async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>>;
 
     /// Give the message back without counting the attempt (shutdown).
     async fn message_release(&self, lease: &Lease) -> StoreResult<()>;
@@ -402,6 +420,10 @@ pub struct StoreOptions {
     pub spanner_clients: usize,
     /// Spanner: one client per operation (`None`: only on the emulator).
     pub spanner_exclusive_clients: Option<bool>,
+    /// Spanner: the deadline of every call (a read, a transaction with its
+    /// commit, a client's creation); one that passes replaces the
+    /// connection.
+    pub spanner_call_timeout: Duration,
     /// Group commit (`[commit]`).
     pub commit: commit::CommitOptions,
 }
@@ -413,6 +435,7 @@ impl StoreOptions {
             shards: self.spanner_shards,
             clients: self.spanner_clients,
             exclusive: self.spanner_exclusive_clients,
+            call_timeout: self.spanner_call_timeout,
         }
     }
 }
@@ -425,6 +448,7 @@ impl Default for StoreOptions {
             spanner_shards: 8,
             spanner_clients: 16,
             spanner_exclusive_clients: None,
+            spanner_call_timeout: Duration::from_secs(10),
             commit: commit::CommitOptions::default(),
         }
     }

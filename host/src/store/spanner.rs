@@ -37,7 +37,6 @@ use google_cloud_spanner::key::{Key, KeySetBuilder};
 use google_cloud_spanner::mutation::Mutation;
 use google_cloud_spanner::statement::Statement;
 use google_cloud_spanner::value::Value as SValue;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 type RwTx = google_cloud_spanner::transaction::ReadWriteTransaction;
@@ -82,6 +81,8 @@ pub struct SpannerOptions {
     /// multiplexed sessions); otherwise every operation shares one client,
     /// as real Spanner allows. `None`: exclusive only on the emulator.
     pub exclusive: Option<bool>,
+    /// The deadline of every call ([`Pool::within`]).
+    pub call_timeout: Duration,
 }
 
 fn classify(e: google_cloud_spanner::Error) -> StoreError {
@@ -110,15 +111,39 @@ fn classify_ref(e: &google_cloud_spanner::Error) -> StoreError {
     }
 }
 
+/// The clients of one database, and the connection they share.
+///
+/// Every call runs under a deadline (`spanner.call_timeout`, [`Pool::within`]).
+/// Google's client sets no transport keepalive, so a connection whose peer
+/// vanished (a NAT or proxy dropped the flow, a front end restarted) can
+/// leave calls waiting forever; a call that misses its deadline therefore
+/// replaces the connection: a new generation of clients on new channels,
+/// while calls still holding an old client finish or miss their own
+/// deadline.
 struct Pool {
     exclusive: bool,
-    shared: tokio::sync::OnceCell<DatabaseClient>,
-    spanner: Spanner,
     database: String,
-    free: Mutex<Vec<DatabaseClient>>,
-    made: AtomicUsize,
     max: usize,
+    call_timeout: Duration,
+    state: Mutex<Conn>,
     ready: tokio::sync::Notify,
+    /// On the emulator, which runs one read-write transaction at a time and
+    /// aborts any other at once, this host's read-write transactions take
+    /// turns instead of aborting each other (measured: 1 host drained 300
+    /// payments messages in 31 s without it).
+    turns: Option<tokio::sync::Semaphore>,
+}
+
+/// One generation of the connection.
+struct Conn {
+    generation: u64,
+    /// The channels; `None` after a replacement, until the next call.
+    spanner: Option<Spanner>,
+    /// Clients not lent out (exclusive mode), or the one shared client.
+    free: Vec<DatabaseClient>,
+    /// Clients of this generation created (or being created).
+    made: usize,
+    replaced_at: Option<tokio::time::Instant>,
 }
 
 /// A client checked out of the pool; returned on drop (clients are cheap
@@ -126,8 +151,7 @@ struct Pool {
 struct Lent {
     pool: Arc<Pool>,
     client: DatabaseClient,
-    /// Goes back to the pool on drop (exclusive mode).
-    pooled: bool,
+    generation: u64,
 }
 
 impl std::ops::Deref for Lent {
@@ -139,53 +163,179 @@ impl std::ops::Deref for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if !self.pooled {
+        if !self.pool.exclusive {
             return;
         }
-        if let Ok(mut free) = self.pool.free.lock() {
-            free.push(self.client.clone());
-            self.pool.ready.notify_one();
+        if let Ok(mut c) = self.pool.state.lock() {
+            // A client of a replaced generation is dropped with its channels.
+            if c.generation == self.generation {
+                c.free.push(self.client.clone());
+            }
         }
+        self.pool.ready.notify_one();
     }
 }
 
 impl Pool {
+    fn new(spanner: Spanner, opts: &SpannerOptions, exclusive: bool, emulator: bool) -> Pool {
+        Pool {
+            turns: emulator.then(|| tokio::sync::Semaphore::new(1)),
+            exclusive,
+            database: opts.database.clone(),
+            max: if exclusive { opts.clients.max(1) } else { 1 },
+            call_timeout: opts.call_timeout,
+            state: Mutex::new(Conn {
+                generation: 0,
+                spanner: Some(spanner),
+                free: Vec::new(),
+                made: 0,
+                replaced_at: None,
+            }),
+            ready: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn conn(&self) -> StoreResult<std::sync::MutexGuard<'_, Conn>> {
+        self.state
+            .lock()
+            .map_err(|_| StoreError::Permanent("the Spanner client pool is poisoned".into()))
+    }
+
+    /// A client: a free one, a new one while fewer than `max` exist, or the
+    /// next one returned (waiting at most the call deadline).
     async fn get(self: &Arc<Self>) -> StoreResult<Lent> {
-        if !self.exclusive {
-            let c = self
-                .shared
-                .get_or_try_init(|| async { self.spanner.database_client(self.database.clone()).build().await })
+        let waited = tokio::time::Instant::now();
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let build = {
+                let mut c = self.conn()?;
+                let generation = c.generation;
+                let free = if self.exclusive { c.free.pop() } else { c.free.first().cloned() };
+                if let Some(client) = free {
+                    return Ok(Lent {
+                        pool: self.clone(),
+                        client,
+                        generation,
+                    });
+                }
+                if c.made < self.max {
+                    c.made += 1;
+                    Some((generation, c.spanner.clone()))
+                } else {
+                    None
+                }
+            };
+            let Some((generation, spanner)) = build else {
+                let left = self.call_timeout.saturating_sub(waited.elapsed());
+                if tokio::time::timeout(left, notified).await.is_err() {
+                    return Err(StoreError::Unavailable(format!(
+                        "no Spanner client came free within {} (spanner.call_timeout; spanner.clients = {})",
+                        crate::names::duration(self.call_timeout),
+                        self.max
+                    )));
+                }
+                continue;
+            };
+            let created = self.create(spanner).await;
+            let mut c = self.conn()?;
+            let current = c.generation == generation;
+            return match created {
+                Ok((spanner, client)) => {
+                    if current {
+                        c.spanner.get_or_insert(spanner);
+                        if !self.exclusive {
+                            c.free.push(client.clone());
+                        }
+                    }
+                    drop(c);
+                    self.ready.notify_waiters();
+                    Ok(Lent {
+                        pool: self.clone(),
+                        client,
+                        generation,
+                    })
+                }
+                Err(e) => {
+                    if current {
+                        c.made = c.made.saturating_sub(1);
+                    }
+                    drop(c);
+                    self.ready.notify_one();
+                    Err(e)
+                }
+            };
+        }
+    }
+
+    /// A new client (and new channels when the connection was replaced),
+    /// within the call deadline.
+    async fn create(&self, spanner: Option<Spanner>) -> StoreResult<(Spanner, DatabaseClient)> {
+        let make = async {
+            let spanner = match spanner {
+                Some(s) => s,
+                None => Spanner::builder().build().await.map_err(|e| StoreError::Unavailable(format!("connecting to Spanner: {e}")))?,
+            };
+            let client = spanner
+                .database_client(self.database.clone())
+                .build()
                 .await
                 .map_err(classify)?;
-            return Ok(Lent {
-                pool: self.clone(),
-                client: c.clone(),
-                pooled: false,
-            });
+            Ok((spanner, client))
+        };
+        match tokio::time::timeout(self.call_timeout, make).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.replace("creating a client");
+                Err(StoreError::Unavailable(self.late("creating a client")))
+            }
         }
-        loop {
-            if let Some(c) = self.free.lock().ok().and_then(|mut f| f.pop()) {
-                return Ok(Lent {
-                    pool: self.clone(),
-                    client: c,
-                    pooled: true,
-                });
+    }
+
+    fn late(&self, what: &str) -> String {
+        format!(
+            "Spanner did not answer {what} within {} (spanner.call_timeout); the connection is replaced",
+            crate::names::duration(self.call_timeout)
+        )
+    }
+
+    /// Drop this generation of clients and channels: the next call connects
+    /// afresh. Once per deadline, however many calls missed it together.
+    fn replace(&self, what: &str) {
+        let Ok(mut c) = self.state.lock() else { return };
+        let now = tokio::time::Instant::now();
+        if c.replaced_at.is_some_and(|t| now.duration_since(t) < self.call_timeout) {
+            return;
+        }
+        c.generation += 1;
+        c.spanner = None;
+        c.free.clear();
+        c.made = 0;
+        c.replaced_at = Some(now);
+        drop(c);
+        tracing::warn!(
+            "Spanner did not answer {what} within {}: replacing the connection (calls still on the old one end at their deadline)",
+            crate::names::duration(self.call_timeout)
+        );
+        self.ready.notify_waiters();
+    }
+
+    /// Run `call` under the call deadline. A call that misses it replaces
+    /// the connection and fails: with an unknown outcome if it `writes`
+    /// (it may have committed), else as unavailable (safe to retry).
+    async fn within<T>(&self, what: &str, writes: bool, call: impl std::future::Future<Output = StoreResult<T>>) -> StoreResult<T> {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.replace(what);
+                let text = self.late(what);
+                Err(if writes {
+                    StoreError::UnknownOutcome(text)
+                } else {
+                    StoreError::Unavailable(text)
+                })
             }
-            if self.made.fetch_add(1, Ordering::SeqCst) < self.max {
-                let c = self
-                    .spanner
-                    .database_client(self.database.clone())
-                    .build()
-                    .await
-                    .map_err(classify)?;
-                return Ok(Lent {
-                    pool: self.clone(),
-                    client: c,
-                    pooled: true,
-                });
-            }
-            self.made.fetch_sub(1, Ordering::SeqCst);
-            self.ready.notified().await;
         }
     }
 }
@@ -363,6 +513,16 @@ impl SpannerStore {
     /// `onceq init` on Spanner: on the emulator also create the instance;
     /// create the database with onceq's tables and the business DDL.
     pub async fn init(opts: &SpannerOptions, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
+        // Creating a database on real Spanner takes up to a minute or two.
+        const INIT_DEADLINE: Duration = Duration::from_secs(300);
+        tokio::time::timeout(INIT_DEADLINE, Self::create(opts, business_ddl))
+            .await
+            .map_err(|_| anyhow::anyhow!("creating database {}: no answer from Spanner within 5m", opts.database))??;
+        Self::open(opts, options).await
+    }
+
+    /// The emulator's instance (on the emulator) and the database.
+    async fn create(opts: &SpannerOptions, business_ddl: &str) -> anyhow::Result<()> {
         use google_cloud_lro::Poller;
         let (project, instance, database) = parse_database(&opts.database)?;
         let spanner = Spanner::builder()
@@ -411,7 +571,7 @@ impl SpannerStore {
             .until_done()
             .await
             .map_err(|e| anyhow::anyhow!("creating database {}: {e}", opts.database))?;
-        Self::open(opts, options).await
+        Ok(())
     }
 
     /// Connect to an existing database.
@@ -421,17 +581,8 @@ impl SpannerStore {
             .await
             .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
         let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
-        let pool = Arc::new(Pool {
-            exclusive: opts.exclusive.unwrap_or(emulator),
-            shared: tokio::sync::OnceCell::new(),
-            spanner,
-            database: opts.database.clone(),
-            free: Mutex::new(Vec::new()),
-            made: AtomicUsize::new(0),
-            max: opts.clients.max(1),
-            ready: tokio::sync::Notify::new(),
-        });
-        let schema = Self::load_schema(&pool)
+        let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
+        let schema = Self::load_schema_retrying(&pool)
             .await
             .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
         Ok(SpannerStore {
@@ -441,6 +592,24 @@ impl SpannerStore {
             options: options.clone(),
             shards: opts.shards.max(1),
         })
+    }
+
+    /// The schema, read at start-up: a transient failure (no answer within
+    /// the call deadline, unavailable) is retried a few times, each logged,
+    /// before the host gives up with the last error.
+    async fn load_schema_retrying(pool: &Arc<Pool>) -> StoreResult<Schema> {
+        let mut pause = Duration::from_millis(200);
+        for attempt in 1.. {
+            match pool.within("the schema query", false, Self::load_schema(pool)).await {
+                Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && attempt < 5 => {
+                    tracing::warn!("reading the schema failed (attempt {attempt} of 5, retrying in {pause:?}): {e}");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                other => return other,
+            }
+        }
+        Err(StoreError::Unavailable("reading the schema: no attempt left".into()))
     }
 
     async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
@@ -512,21 +681,84 @@ impl SpannerStore {
     /// Run `work` in a read-write transaction on a pooled client. `work` is
     /// called again when Spanner aborts the transaction; each call returns a
     /// future that owns what it needs.
-    async fn rw<T, F, Fut>(&self, work: F) -> StoreResult<T>
+    ///
+    /// Under the call deadline; a transaction that misses it has an unknown
+    /// outcome (`what` names it in the error).
+    async fn rw<T, F, Fut>(&self, what: &str, work: F) -> StoreResult<T>
     where
-        F: FnMut(RwTx) -> Fut + Send,
+        F: FnMut(RwTx) -> Fut + Send + Clone,
         Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
         T: Send,
     {
-        let c = self.pool.get().await?;
-        run_rw(&c, work).await
+        self.pool.rw(what, work).await
     }
+}
+
+impl Pool {
+    /// [`SpannerStore::rw`]: a read-write transaction on a lent client,
+    /// each attempt under the call deadline.
+    ///
+    /// Aborted attempts are re-run here rather than in the client (whose
+    /// backoff grows to a second): after a short jittered pause, for up to
+    /// the call deadline. On the emulator, which aborts every transaction
+    /// but one at once, a host's transactions also take turns
+    /// ([`Pool::turns`]); hosts still abort each other, and a short pause
+    /// keeps the emulator busy instead of idle while the losers sleep.
+    async fn rw<T, F, Fut>(self: &Arc<Self>, what: &str, work: F) -> StoreResult<T>
+    where
+        F: FnMut(RwTx) -> Fut + Send + Clone,
+        Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
+        T: Send,
+    {
+        let _turn = match &self.turns {
+            None => None,
+            Some(turns) => match tokio::time::timeout(self.call_timeout, turns.acquire()).await {
+                Ok(Ok(permit)) => Some(permit),
+                Ok(Err(e)) => return Err(StoreError::Permanent(format!("transaction turns: {e}"))),
+                Err(_) => {
+                    return Err(StoreError::Unavailable(format!(
+                        "{what}: waited {} for this host's turn at the emulator (spanner.call_timeout)",
+                        crate::names::duration(self.call_timeout)
+                    )))
+                }
+            },
+        };
+        let started = tokio::time::Instant::now();
+        let mut aborts = 0u32;
+        loop {
+            let attempt = self
+                .within(what, true, async {
+                    let c = self.get().await?;
+                    run_rw(&c, self.call_timeout, work.clone()).await
+                })
+                .await;
+            match attempt {
+                Err(StoreError::Aborted(_)) if started.elapsed() < self.call_timeout => {
+                    aborts += 1;
+                    tokio::time::sleep(abort_pause(aborts)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// The pause before re-running an aborted transaction: 2 ms growing by
+/// half per abort up to 50 ms, jittered (full jitter).
+fn abort_pause(aborts: u32) -> Duration {
+    let cap = (2.0 * 1.5f64.powi(aborts.min(20) as i32)).min(50.0);
+    Duration::from_micros((rand::random::<f64>() * cap * 1000.0) as u64)
 }
 
 /// Run a read-write transaction with an ordinary closure returning an owned
 /// future (which is an `AsyncFnMut` through the standard library's blanket
 /// impl, without the lifetime trouble of borrowing async closures).
-async fn run_rw<T, F, Fut>(client: &DatabaseClient, mut work: F) -> StoreResult<T>
+///
+/// The client's own transaction timeout ends it a little before the call
+/// deadline: re-runs after aborts stop, and what was begun is rolled back
+/// (on the emulator an abandoned transaction would hold its locks until it
+/// expires).
+async fn run_rw<T, F, Fut>(client: &DatabaseClient, deadline: Duration, mut work: F) -> StoreResult<T>
 where
     F: FnMut(RwTx) -> Fut + Send,
     Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
@@ -534,6 +766,9 @@ where
 {
     client
         .read_write_transaction()
+        .with_transaction_timeout(deadline.mul_f64(0.8))
+        // One attempt: aborts are re-run by `Pool::rw`.
+        .with_retry_policy(google_cloud_spanner::transaction::BasicTransactionRetryPolicy::new().with_max_attempts(1))
         .build()
         .run(move |tx: RwTx| work(tx))
         .await
@@ -753,10 +988,9 @@ struct SpannerBatch {
 
 impl SpannerBatch {
     async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>) -> StoreResult<Vec<StoreResult<()>>> {
-        let client = self.pool.get().await?;
         let (schema, shards, window) = (self.schema.clone(), self.shards, self.window);
         let assert_one = batch.len() == 1;
-        run_rw(&client, move |tx| {
+        self.pool.rw("a commit", move |tx| {
             let (batch, schema) = (batch.clone(), schema.clone());
             async move {
                 let mut written = Vec::new();
@@ -821,13 +1055,13 @@ impl commit::BatchCommit for SpannerBatch {
 impl SpannerStore {
     /// `UPDATE onceq_messages SET <set> WHERE <lease>`: exactly one row, or
     /// `LeaseLost`.
-    async fn guarded_update(&self, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
+    async fn guarded_update(&self, what: &str, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
         let (shard, id) = (lease.shard, lease.message_id.clone());
         let sql = format!("UPDATE onceq_messages SET {set} WHERE shard = @s AND id = @id AND lease_token = @t");
         let token = lease.token.clone();
         let id2 = id.clone();
         let count = self
-            .rw(move |tx| {
+            .rw(what, move |tx| {
                 let mut b = Statement::builder(sql.clone())
                     .add_param("s", shard)
                     .add_param("id", id2.clone())
@@ -848,9 +1082,58 @@ impl SpannerStore {
     }
 
     async fn query_rows(&self, stmt: Statement, table: &TableSchema) -> StoreResult<Vec<Row>> {
+        self.pool
+            .within(&format!("a query of {}", table.name), false, async {
+                let c = self.pool.get().await?;
+                let rs = c.single_use().build().execute_query(stmt).await.map_err(classify)?;
+                collect(table, rs).await
+            })
+            .await
+    }
+
+    /// The queue counts ([`Store::stats`]), without the deadline.
+    async fn stats_now(&self) -> StoreResult<Stats> {
         let c = self.pool.get().await?;
-        let rs = c.single_use().build().execute_query(stmt).await.map_err(classify)?;
-        collect(table, rs).await
+        let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(format!(
+                    "SELECT queue, COUNTIF(visible_at <= {NOW}), COUNTIF(visible_at > {NOW} AND lease_token IS NOT NULL),
+                        COUNTIF(visible_at > {NOW} AND lease_token IS NULL),
+                        MIN(IF(visible_at > {NOW} AND lease_token IS NULL, DIV(visible_at - {NOW}, 1000), NULL)),
+                        COUNTIF(visible_at <= {NOW} AND lease_token IS NOT NULL)
+                 FROM onceq_messages GROUP BY queue"
+                ))
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let q: String = r.get(0).map_err(classify)?;
+            let e = queue_entry(&mut by_queue, q);
+            e.ready = r.get::<i64>(1).map_err(classify)? as u64;
+            e.leased = r.get::<i64>(2).map_err(classify)? as u64;
+            e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
+            e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
+            e.expired_leases = r.get::<i64>(5).map_err(classify)? as u64;
+        }
+        for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
+            queue_entry(&mut by_queue, q).dead = n;
+        }
+        for (q, n) in counts_by_queue(
+            &c,
+            format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
+        )
+        .await?
+        {
+            queue_entry(&mut by_queue, q).dedup_keys = n;
+        }
+        Ok(Stats {
+            queues: by_queue.into_values().collect(),
+        })
     }
 
     /// A pseudo-schema for onceq's own tables, to reuse the typed reader.
@@ -932,7 +1215,7 @@ impl Store for SpannerStore {
     async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
         let (shards, window, schema) = (self.shards, self.options.dedup_window, self.schema.clone());
         let params = Arc::new(params);
-        self.rw(move |tx| {
+        self.rw("a send", move |tx| {
             let (params, schema) = (params.clone(), schema.clone());
             async move {
                 let mut written = Vec::new();
@@ -965,8 +1248,10 @@ impl Store for SpannerStore {
         // Start at a random shard (hosts spread over key ranges) and fill the
         // batch from the following shards, oldest first within each.
         let first = i64::from(rand::random::<u32>() % self.shards);
-        // One scan of the queue's index range for candidates, then a point
-        // update per candidate (guarded: still visible), in one transaction.
+        // Candidates come from a strong read-only query of the queue's index
+        // range: an empty queue costs no read-write transaction (idle
+        // workers of many hosts poll it). Then one guarded update takes
+        // those still visible, in one read-write transaction.
         let find = Statement::builder(format!(
             "SELECT shard, id FROM onceq_messages@{{FORCE_INDEX=onceq_messages_visible}}
              WHERE queue = @q AND visible_at <= {NOW}
@@ -977,34 +1262,43 @@ impl Store for SpannerStore {
         .add_param("first", first)
         .add_param("n", p.limit as i64)
         .build();
-        let update = format!(
+        let (shards, ids): (Vec<i64>, Vec<String>) = self
+            .pool
+            .within("a lease query", false, async {
+                let c = self.pool.get().await?;
+                let mut rs = c.single_use().build().execute_query(find).await.map_err(classify)?;
+                let mut candidates = Vec::new();
+                while let Some(r) = rs.next().await {
+                    let r = r.map_err(classify)?;
+                    candidates.push((r.get::<i64>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?));
+                }
+                Ok(candidates)
+            })
+            .await?
+            .into_iter()
+            .unzip();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let take = Statement::builder(format!(
             "UPDATE onceq_messages SET lease_token = @t, visible_at = {NOW} + @lease, attempt = attempt + 1
-             WHERE shard = @s AND id = @id AND visible_at <= {NOW}
+             WHERE shard IN UNNEST(@shards) AND id IN UNNEST(@ids) AND queue = @q AND visible_at <= {NOW}
              THEN RETURN shard, id, payload, attributes, attempt, enqueued_at, visible_at"
-        );
-        let (t, lease) = (token.clone(), micros(p.lease));
+        ))
+        .add_param("t", token.clone())
+        .add_param("lease", micros(p.lease))
+        .add_param("shards", shards)
+        .add_param("ids", ids)
+        .add_param("q", p.queue.clone())
+        .build();
         let leased = self
-            .rw(move |tx| {
-                let (find, update, t) = (find.clone(), update.clone(), t.clone());
+            .rw("a lease", move |tx| {
+                let take = take.clone();
                 async move {
-                    let mut rs = tx.execute_query(find).await?;
-                    let mut candidates = Vec::new();
-                    while let Some(r) = rs.next().await {
-                        let r = r?;
-                        candidates.push((r.get::<i64>(0)?, r.get::<String>(1)?));
-                    }
+                    let mut rs = tx.execute_query(take).await?;
                     let mut rows = Vec::new();
-                    for (shard, id) in candidates {
-                        let stmt = Statement::builder(update.clone())
-                            .add_param("t", t.clone())
-                            .add_param("lease", lease)
-                            .add_param("s", shard)
-                            .add_param("id", id)
-                            .build();
-                        let mut rs = tx.execute_query(stmt).await?;
-                        while let Some(r) = rs.next().await {
-                            rows.push(r?);
-                        }
+                    while let Some(r) = rs.next().await {
+                        rows.push(r?);
                     }
                     Ok(rows)
                 }
@@ -1018,13 +1312,37 @@ impl Store for SpannerStore {
         Ok(out)
     }
 
-    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
-        self.guarded_update(lease, &format!("visible_at = {NOW} + @n"), micros(duration), None)
-            .await
+    async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
+        let sql = format!("UPDATE onceq_messages SET visible_at = {NOW} + @n WHERE shard = @s AND id = @id AND lease_token = @t");
+        let stmts: Arc<Vec<Statement>> = Arc::new(
+            leases
+                .iter()
+                .map(|l| {
+                    Statement::builder(sql.clone())
+                        .add_param("s", l.shard)
+                        .add_param("id", l.message_id.clone())
+                        .add_param("t", l.token.clone())
+                        .add_param("n", micros(duration))
+                        .build()
+                })
+                .collect(),
+        );
+        self.rw("a lease renewal", move |tx| {
+            let stmts = stmts.clone();
+            async move {
+                let mut held = Vec::with_capacity(stmts.len());
+                for stmt in stmts.iter() {
+                    held.push(tx.execute_update(stmt.clone()).await? == 1);
+                }
+                Ok(held)
+            }
+        })
+        .await
     }
 
     async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
         self.guarded_update(
+            "a release",
             lease,
             &format!("visible_at = {NOW} + @n, lease_token = NULL, attempt = GREATEST(attempt - 1, 0)"),
             0,
@@ -1035,6 +1353,7 @@ impl Store for SpannerStore {
 
     async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
         self.guarded_update(
+            "a retry later",
             lease,
             &format!("visible_at = {NOW} + @n, lease_token = NULL, last_error = @x"),
             micros(delay),
@@ -1065,7 +1384,7 @@ impl Store for SpannerStore {
                 .add_param("id", id)
                 .add_param("t", lease.token.clone())
                 .build();
-        self.rw(move |tx| {
+        self.rw("a dead letter", move |tx| {
             let (clear, copy, delete) = (clear.clone(), copy.clone(), delete.clone());
             async move {
                 tx.execute_update(clear).await?;
@@ -1091,45 +1410,7 @@ impl Store for SpannerStore {
     }
 
     async fn stats(&self) -> StoreResult<Stats> {
-        let c = self.pool.get().await?;
-        let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
-        let mut rs = c
-            .single_use()
-            .build()
-            .execute_query(
-                Statement::builder(format!(
-                    "SELECT queue, COUNTIF(visible_at <= {NOW}), COUNTIF(visible_at > {NOW} AND lease_token IS NOT NULL),
-                        COUNTIF(visible_at > {NOW} AND lease_token IS NULL),
-                        MIN(IF(visible_at > {NOW} AND lease_token IS NULL, DIV(visible_at - {NOW}, 1000), NULL))
-                 FROM onceq_messages GROUP BY queue"
-                ))
-                .build(),
-            )
-            .await
-            .map_err(classify)?;
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
-            let q: String = r.get(0).map_err(classify)?;
-            let e = queue_entry(&mut by_queue, q);
-            e.ready = r.get::<i64>(1).map_err(classify)? as u64;
-            e.leased = r.get::<i64>(2).map_err(classify)? as u64;
-            e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
-            e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
-        }
-        for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
-            queue_entry(&mut by_queue, q).dead = n;
-        }
-        for (q, n) in counts_by_queue(
-            &c,
-            format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
-        )
-        .await?
-        {
-            queue_entry(&mut by_queue, q).dedup_keys = n;
-        }
-        Ok(Stats {
-            queues: by_queue.into_values().collect(),
-        })
+        self.pool.within("the stats queries", false, self.stats_now()).await
     }
 
     async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
@@ -1168,7 +1449,7 @@ impl Store for SpannerStore {
             .add_param("id", id.to_string())
             .build();
         let id = id.to_string();
-        self.rw(move |tx| {
+        self.rw("a replay", move |tx| {
             let (copy, delete, id) = (copy.clone(), delete.clone(), id.clone());
             async move {
                 if tx.execute_update(copy).await? == 0 {
@@ -1209,7 +1490,7 @@ impl Store for SpannerStore {
 
     async fn dedup_purge(&self) -> StoreResult<u64> {
         let n = self
-            .rw(|tx| async move {
+            .rw("the dedup purge", |tx| async move {
                 tx.execute_update(Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build())
                     .await
             })
@@ -1333,6 +1614,22 @@ impl SpannerTransaction {
             None => Err(StoreError::Permanent("snapshot missing".into())),
         }
     }
+
+    /// A handler's read in the snapshot, under the call deadline.
+    async fn snapshot_rows(&mut self, table: &TableSchema, key: &[Value], limit: Option<usize>) -> StoreResult<Vec<Row>> {
+        let pool = self.pool.clone();
+        let what = format!("a read of {}", table.name);
+        pool.within(&what, false, async {
+            let rs = self
+                .snapshot()
+                .await?
+                .execute_query(select_stmt(table, key, limit))
+                .await
+                .map_err(classify)?;
+            collect(table, rs).await
+        })
+        .await
+    }
 }
 
 async fn rows_in(
@@ -1347,26 +1644,14 @@ async fn rows_in(
 #[async_trait]
 impl Transaction for SpannerTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
-        let rs = self
-            .snapshot()
-            .await?
-            .execute_query(select_stmt(table, key, None))
-            .await
-            .map_err(classify)?;
-        let result = collect(table, rs).await?.into_iter().next();
+        let result = self.snapshot_rows(table, key, None).await?.into_iter().next();
         self.pending.read(table, key, None, result.iter().cloned().collect());
         Ok(result)
     }
 
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         let limit = limit.min(MAX_SCAN_ROWS);
-        let rs = self
-            .snapshot()
-            .await?
-            .execute_query(select_stmt(table, prefix, Some(limit)))
-            .await
-            .map_err(classify)?;
-        let result = collect(table, rs).await?;
+        let result = self.snapshot_rows(table, prefix, Some(limit)).await?;
         self.pending.read(table, prefix, Some(limit), result.clone());
         Ok(result)
     }

@@ -706,13 +706,19 @@ impl Store for SqliteStore {
         Ok(leased)
     }
 
-    async fn message_lease_renew(&self, lease: &Lease, duration: Duration) -> StoreResult<()> {
-        self.guarded_update(
-            lease,
-            &format!("visible_at = {NOW} + ?3"),
-            Some(SqlValue::Integer(micros(duration))),
-            None,
-        )
+    async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
+        let sql = format!("UPDATE onceq_messages SET visible_at = {NOW} + ?3 WHERE id = ?1 AND lease_token = ?2");
+        self.write(|c| {
+            let mut stmt = c.prepare_cached(&sql).map_err(classify)?;
+            leases
+                .iter()
+                .map(|l| {
+                    stmt.execute(params![l.message_id, l.token, micros(duration)])
+                        .map(|n| n == 1)
+                        .map_err(classify)
+                })
+                .collect()
+        })
         .await
     }
 
@@ -776,7 +782,8 @@ impl Store for SqliteStore {
                             SUM(visible_at <= {NOW}),
                             SUM(visible_at > {NOW} AND lease_token IS NOT NULL),
                             SUM(visible_at > {NOW} AND lease_token IS NULL),
-                            MIN(CASE WHEN visible_at > {NOW} AND lease_token IS NULL THEN (visible_at - {NOW}) / 1000 END)
+                            MIN(CASE WHEN visible_at > {NOW} AND lease_token IS NULL THEN (visible_at - {NOW}) / 1000 END),
+                            SUM(visible_at <= {NOW} AND lease_token IS NOT NULL)
                      FROM onceq_messages GROUP BY queue"
                 ))
                 .map_err(classify)?;
@@ -788,16 +795,18 @@ impl Store for SqliteStore {
                         r.get::<_, i64>(2)?,
                         r.get::<_, i64>(3)?,
                         r.get::<_, Option<i64>>(4)?,
+                        r.get::<_, i64>(5)?,
                     ))
                 })
                 .map_err(classify)?;
             for row in rows {
-                let (q, ready, leased, delayed, next_due) = row.map_err(classify)?;
+                let (q, ready, leased, delayed, next_due, expired) = row.map_err(classify)?;
                 let e = queue_entry(&mut by_queue, q);
                 e.ready = ready as u64;
                 e.leased = leased as u64;
                 e.delayed = delayed as u64;
                 e.next_due_ms = next_due.map(|ms| ms.max(0) as u64);
+                e.expired_leases = expired as u64;
             }
             for (q, n) in counts_by_queue(c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue")? {
                 queue_entry(&mut by_queue, q).dead = n;
