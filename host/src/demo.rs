@@ -275,8 +275,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             before_commit: args.faults / 2.0,
             limit: None,
             seed: args.seed,
-            renewals_fail: false,
-            read_delay: None,
+            ..FaultPlan::default()
         },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);

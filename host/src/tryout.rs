@@ -47,10 +47,11 @@ pub async fn run(
     let reads = scope.reads;
     // As in a real run: a store error during a read decides the attempt
     // (the protocol re-runs or fails it), then a refused read, then the
-    // handler's own result.
-    let violation = match &scope.store_error {
-        Some(e) => Some(format!("store error: {e}")),
-        None => scope.violation.clone(),
+    // handler's own result; the reason is worded as a real run words it.
+    let violation = match (&scope.store_error, &scope.violation) {
+        (Some(e), _) => Some(HandlerFailure::Store(e.clone())),
+        (None, Some(v)) => Some(HandlerFailure::Read(v.clone())),
+        (None, None) => None,
     };
     let mut tx = scope.into_transaction();
     let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>, retry_after_ms: Option<u64>| TryReport {
@@ -63,7 +64,7 @@ pub async fn run(
         retry_after_ms,
     };
     let out = match (violation, result) {
-        (Some(v), _) => report("failed", Some(v), vec![], None),
+        (Some(f), _) => report("failed", Some(f.to_string()), vec![], None),
         (None, Ok(effects)) => {
             match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), grants, limits, &schema, &mut *tx) {
                 Ok(_) => report("ok", None, effects, None),
@@ -73,7 +74,60 @@ pub async fn run(
         (None, Err(HandlerFailure::Retry { reason, delay })) => report("retry", Some(reason), vec![], delay.map(|d| d.as_millis() as u64)),
         (None, Err(HandlerFailure::Reject(r))) => report("reject", Some(r), vec![], None),
         (None, Err(HandlerFailure::Failed(r))) => report("failed", Some(r), vec![], None),
+        (None, Err(HandlerFailure::Effect(e))) => report("invalid-effects", Some(e.to_string()), vec![], None),
+        (None, Err(f @ (HandlerFailure::Read(_) | HandlerFailure::Store(_)))) => report("failed", Some(f.to_string()), vec![], None),
     };
     tx.rollback().await;
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::protocol::testing;
+    use crate::protocol::{NativeHandler, Outcome};
+    use crate::store::faulty::{FaultPlan, FaultyStore};
+    use crate::store::{Store, StoreError};
+    use crate::value::Value;
+    use std::time::Duration;
+
+    /// Reads the row keyed by the message id and swallows any error, as a
+    /// careless handler would: the store error still decides the attempt.
+    fn careless_reader() -> Arc<dyn Handler> {
+        Arc::new(NativeHandler::new("careless-reader", |m, mut scope| async move {
+            let _ = scope.get("t", &[Value::String(m.id.clone())]).await;
+            HandleOutput { scope, result: Ok(vec![]) }
+        }))
+    }
+
+    /// `onceq try` and the test kit give the verdict a real run gives, with
+    /// the same reason, when the store fails a read: permanently (failed at
+    /// once) and transiently (a real run re-runs, then fails the same way).
+    #[tokio::test(start_paused = true)]
+    async fn try_gives_the_verdict_of_a_real_run_when_a_read_fails() {
+        for error in [StoreError::Permanent("disk on fire".into()), StoreError::Unavailable("no answer".into())] {
+            let (_dir, base) = testing::store();
+            let plan = FaultPlan {
+                read_error: Some(error.clone()),
+                ..FaultPlan::default()
+            };
+            let (faulty, _) = FaultyStore::new(base.clone(), plan);
+            let store: Arc<dyn Store> = Arc::new(faulty);
+            let lease = Duration::from_secs(30);
+            let handler = careless_reader();
+            let r = testing::runner(&store, handler.clone(), lease);
+            let batch = testing::leased(&store, 1, lease).await;
+
+            let real = match r.process(&batch[0]).await {
+                Outcome::RetryLater(reason) => reason,
+                other => panic!("{error}: a real run retries later, got {other:?}"),
+            };
+            let tx = store.transaction_begin().await.unwrap();
+            let tried = run(&*handler, batch[0].message.clone(), tx, store.schema(), &r.spec.grants, &r.spec.limits).await;
+            assert_eq!(tried.outcome, "failed", "{error}");
+            assert_eq!(tried.reason.as_deref(), Some(real.as_str()), "{error}: same reason as the real run");
+            assert!(real.contains(&error.to_string()), "{real}");
+        }
+    }
 }

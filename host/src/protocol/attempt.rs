@@ -96,7 +96,7 @@ impl QueueRunner {
                     Rerun::Stop => {
                         warn!(class = e.class(), "store failing after {reruns} re-runs: {e}");
                         return self
-                            .fail(lm, handler, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
+                            .fail(lm, handler, HandlerFailure::Store(e), unknown_seen)
                             .await;
                     }
                 },
@@ -109,16 +109,7 @@ impl QueueRunner {
                         Outcome::LeaseLost
                     };
                 }
-                AttemptError::Store(StoreError::WriteRefused(m)) => {
-                    return self
-                        .fail(lm, handler, HandlerFailure::Failed(format!("write refused: {m}")), unknown_seen)
-                        .await;
-                }
-                AttemptError::Store(e) => {
-                    return self
-                        .fail(lm, handler, HandlerFailure::Failed(format!("store error: {e}")), unknown_seen)
-                        .await;
-                }
+                AttemptError::Store(e) => return self.fail(lm, handler, HandlerFailure::Store(e), unknown_seen).await,
                 AttemptError::Handler(f) => return self.fail(lm, handler, f, unknown_seen).await,
             }
         }
@@ -137,7 +128,7 @@ impl QueueRunner {
         let mut tx = scope.into_transaction();
         let failure = match store_error {
             Some(e) => Some(AttemptError::Store(e)),
-            None => violation.map(|v| AttemptError::Handler(HandlerFailure::Failed(v))),
+            None => violation.map(|v| AttemptError::Handler(HandlerFailure::Read(v))),
         };
         let effects = match (failure, result) {
             (Some(f), _) => {
@@ -162,7 +153,7 @@ impl QueueRunner {
             Ok(c) => c,
             Err(reason) => {
                 tx.rollback().await;
-                return Err(AttemptError::Handler(HandlerFailure::Failed(format!("bad effect: {reason}"))));
+                return Err(AttemptError::Handler(HandlerFailure::Effect(reason)));
             }
         };
         tx.message_ack(&lm.lease);

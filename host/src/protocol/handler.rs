@@ -22,10 +22,16 @@ pub enum HandlerFailure {
     Retry { reason: String, delay: Option<Duration> },
     /// The handler rejected the message: dead-letter it now.
     Reject(String),
-    /// The handler failed (trap, deadline, memory limit, exit, bad effect,
-    /// forbidden read...): counts as an attempt; dead-lettered after the
-    /// last one.
+    /// The handler failed (trap, deadline, memory limit, exit): counts as
+    /// an attempt; dead-lettered after the last one. So do the typed
+    /// failures below.
     Failed(String),
+    /// A read the handler made was refused (even if it swallowed the error).
+    Read(ReadError),
+    /// An effect the handler returned was refused.
+    Effect(super::EffectError),
+    /// The store failed the attempt (after its re-runs), or refused a write.
+    Store(StoreError),
 }
 
 impl std::fmt::Display for HandlerFailure {
@@ -34,8 +40,29 @@ impl std::fmt::Display for HandlerFailure {
             HandlerFailure::Retry { reason, .. } => write!(f, "handler asked to retry: {reason}"),
             HandlerFailure::Reject(r) => write!(f, "rejected by handler: {r}"),
             HandlerFailure::Failed(r) => write!(f, "handler failed: {r}"),
+            HandlerFailure::Read(e) => write!(f, "handler failed: {e}"),
+            HandlerFailure::Effect(e) => write!(f, "handler failed: bad effect: {e}"),
+            HandlerFailure::Store(StoreError::WriteRefused(m)) => write!(f, "handler failed: write refused: {m}"),
+            HandlerFailure::Store(e) => write!(f, "handler failed: store error: {e}"),
         }
     }
+}
+
+/// A read refused by the scope, naming what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("read of table {table} is not granted to this queue")]
+    NotGranted { table: String },
+    /// The table is granted but not in the database's schema.
+    #[error("{message}")]
+    UnknownTable { table: String, message: String },
+    /// The key does not fit the table's primary key (count, types).
+    #[error("{message}")]
+    BadKey { table: String, message: String },
+    #[error("more than {limit} reads in one call (setting max_reads)")]
+    TooManyReads { limit: u64 },
+    #[error("reads returned more than {limit} bytes in one call (setting max_read_bytes)")]
+    TooManyBytes { limit: usize },
 }
 
 /// What a handler call returns: the read scope (handed back so the protocol
@@ -61,9 +88,9 @@ pub struct ReadScope {
     tx: Box<dyn Transaction>,
     schema: Arc<Schema>,
     tables: Arc<BTreeSet<String>>,
-    /// The first refused read (ungranted or unknown table, bad key): the
-    /// attempt fails even if the handler swallows the error.
-    pub violation: Option<String>,
+    /// The first refused read (ungranted or unknown table, bad key, a
+    /// limit): the attempt fails even if the handler swallows the error.
+    pub violation: Option<ReadError>,
     /// A store failure during a read: the attempt is re-run or failed by
     /// the protocol according to its class.
     pub store_error: Option<StoreError>,
@@ -102,7 +129,7 @@ impl ReadScope {
     /// Count a read against `max_reads`.
     fn count_read(&mut self) -> Result<(), String> {
         if self.reads >= self.max_reads {
-            return Err(self.refuse(format!("more than {} reads in one call (setting max_reads)", self.max_reads)));
+            return Err(self.refuse(ReadError::TooManyReads { limit: self.max_reads }));
         }
         self.reads += 1;
         Ok(())
@@ -120,10 +147,9 @@ impl ReadScope {
             .sum();
         self.read_bytes = self.read_bytes.saturating_add(n);
         if self.read_bytes > self.max_read_bytes {
-            return Err(self.refuse(format!(
-                "reads returned more than {} bytes in one call (setting max_read_bytes)",
-                self.max_read_bytes
-            )));
+            return Err(self.refuse(ReadError::TooManyBytes {
+                limit: self.max_read_bytes,
+            }));
         }
         Ok(())
     }
@@ -137,24 +163,32 @@ impl ReadScope {
         &mut *self.tx
     }
 
-    fn refuse(&mut self, reason: String) -> String {
-        if self.violation.is_none() {
-            self.violation = Some(reason.clone());
-        }
-        reason
+    /// Record the first refusal; the guest gets its text (the edge).
+    fn refuse(&mut self, e: ReadError) -> String {
+        let text = e.to_string();
+        self.violation.get_or_insert(e);
+        text
     }
 
     fn check(&mut self, table: &str, key: &[Value], prefix: bool) -> Result<crate::schema::TableSchema, String> {
         if !self.tables.contains(table) {
-            return Err(self.refuse(format!("read of table {table} is not granted to this queue")));
+            return Err(self.refuse(ReadError::NotGranted { table: table.to_string() }));
         }
         let schema = self.schema.clone();
         let t = match schema.table(table) {
             Ok(t) => t,
-            Err(e) => return Err(self.refuse(e)),
+            Err(message) => {
+                return Err(self.refuse(ReadError::UnknownTable {
+                    table: table.to_string(),
+                    message,
+                }))
+            }
         };
-        if let Err(e) = t.check_key(key, prefix) {
-            return Err(self.refuse(e));
+        if let Err(message) = t.check_key(key, prefix) {
+            return Err(self.refuse(ReadError::BadKey {
+                table: table.to_string(),
+                message,
+            }));
         }
         Ok(t.clone())
     }

@@ -56,8 +56,8 @@ mod renew;
 pub mod retry;
 mod worker;
 
-pub use effects::{EffectLimits, Grants};
-pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadScope};
+pub use effects::{EffectError, EffectLimits, Grants};
+pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadError, ReadScope};
 pub use metrics::{Metrics, VersionCounts};
 pub use retry::{jittered, Next, Rerun};
 

@@ -62,7 +62,11 @@ impl Policy {
             HandlerFailure::Reject(_) => Next::DeadLetter,
             _ if attempt >= self.max_attempts => Next::DeadLetter,
             HandlerFailure::Retry { delay: Some(d), .. } => Next::RetryAfter((*d).min(max_delay)),
-            HandlerFailure::Retry { delay: None, .. } | HandlerFailure::Failed(_) => Next::RetryAfter(self.backoff(attempt)),
+            HandlerFailure::Retry { delay: None, .. }
+            | HandlerFailure::Failed(_)
+            | HandlerFailure::Read(_)
+            | HandlerFailure::Effect(_)
+            | HandlerFailure::Store(_) => Next::RetryAfter(self.backoff(attempt)),
         }
     }
 }

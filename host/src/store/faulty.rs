@@ -31,6 +31,8 @@ pub struct FaultPlan {
     /// Every handler read waits this long before it answers (a database
     /// that stops answering mid-transaction).
     pub read_delay: Option<Duration>,
+    /// Every handler read fails with this error.
+    pub read_error: Option<StoreError>,
     /// RNG seed, so a failing run can be replayed.
     pub seed: u64,
 }
@@ -180,10 +182,16 @@ async fn hang(delay: Option<Duration>) {
 impl Transaction for FaultyTransaction {
     async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
         hang(self.injector.plan.read_delay).await;
+        if let Some(e) = &self.injector.plan.read_error {
+            return Err(e.clone());
+        }
         self.inner.row_get(table, key).await
     }
     async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         hang(self.injector.plan.read_delay).await;
+        if let Some(e) = &self.injector.plan.read_error {
+            return Err(e.clone());
+        }
         self.inner.row_scan(table, prefix, limit).await
     }
     fn row_write(&mut self, write: ValidWrite) {

@@ -30,7 +30,7 @@ pub mod spanner;
 pub mod sqlite;
 
 /// What went wrong in a store operation, classified for the protocol.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     /// The transaction was aborted (conflict); re-running it may succeed.
     #[error("transaction aborted: {0}")]
