@@ -18,7 +18,7 @@ COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
 JS_OUT       := $(GUEST_DIR)/target/js
 JS_GUESTS    := payments inventory fixtures/sdk
 
-.PHONY: all tools guests guests-python guests-js build run run-spanner test bench lint fmt clean emulator
+.PHONY: all tools guests guests-python guests-js build run run-spanner test chaos bench lint fmt clean emulator
 
 all: build guests
 
@@ -90,6 +90,13 @@ test: guests
 	@echo "== again on an emulator that aborts commits at random (--enable_fault_injection)"
 	SPANNER_EMULATOR_ARGS=--enable_fault_injection tests/with-spanner-emulator.sh \
 		$(CARGO) test --release --test spanner -- spanner_payments_exactly_once spanner_lease_and_ack spanner_writes_scans_and_atomicity
+
+## chaos: the long chaos run (tests/chaos.rs): 100,000 messages, hosts
+## SIGKILLed at random for two minutes, then drained and audited from the
+## database file; `make test` runs a short one
+chaos: guests
+	ONCEQ_CHAOS_MESSAGES=$${ONCEQ_CHAOS_MESSAGES:-100000} ONCEQ_CHAOS_SECONDS=$${ONCEQ_CHAOS_SECONDS:-120} \
+		tests/with-spanner-emulator.sh $(CARGO) test --release --test chaos -- --nocapture
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests

@@ -102,6 +102,49 @@ async fn mixed_faults_and_concurrency_apply_each_order_once() {
     assert_payments_exactly_once(&db, n).await;
 }
 
+/// Unknown outcomes on whole batches of the group commit: batches that
+/// landed and batches that were dropped, each reported to every message in
+/// it. Every message re-runs; its ack decides, per message, between
+/// already committed and applied now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
+    use onceq::store::commit::CommitOptions;
+    use onceq::store::faulty::BatchFaults;
+    let n = 300;
+    let db = TestDb::with_options(
+        PAYMENTS_SQL,
+        onceq::store::StoreOptions {
+            commit: CommitOptions {
+                max_batch: 64,
+                // Let the four workers' commits meet in one batch.
+                max_wait: Duration::from_millis(5),
+                faults: Some(BatchFaults {
+                    after_commit: 0.2,
+                    before_commit: 0.2,
+                    seed: 4,
+                }),
+            },
+            ..Default::default()
+        },
+    );
+    seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
+    db.send("payments", (0..n).map(|i| order(i, i % ACCOUNTS, 1 + (i as i64 % 50))))
+        .await;
+    let rt = runtime();
+    let r = payments_runner(&db.store, &rt, policy(4, 5));
+    drain(&db.store, std::slice::from_ref(&r)).await;
+    assert_payments_exactly_once(&db, n).await;
+    let f = &db.store.commit_group().expect("the SQLite store groups its commits").faults;
+    let (landed, landed_msgs) = (f.landed_batches.load(Relaxed), f.landed_messages.load(Relaxed));
+    let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
+    eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");
+    assert!(landed >= 3 && dropped >= 3, "faults injected on both sides");
+    assert!(landed_msgs + dropped_msgs > landed + dropped, "some faulted batches held several messages");
+    let m = &r.metrics;
+    assert_eq!(m.already_committed.load(Relaxed), landed_msgs, "each message of a landed batch found already committed");
+    assert_eq!(m.processed.load(Relaxed) + m.already_committed.load(Relaxed), n as u64);
+}
+
 /// An upsert: unlike an insert, a second application would not fail on a
 /// duplicate key, so only the ack stands between a re-run and a double write.
 fn log_write(id: &str, note: &str) -> Effect {

@@ -29,7 +29,7 @@ async fn call(db: &TestDb, h: &dyn Handler, m: &Message, tables: &[&str]) -> (Re
     let tx = db.store.transaction_begin().await.unwrap();
     let scope = ReadScope::new(tx, db.store.schema(), Arc::new(tables.iter().map(|s| s.to_string()).collect()));
     let out = h.handle(m, scope).await;
-    let violation = out.scope.violation.clone();
+    let violation = out.scope.violation.as_ref().map(ToString::to_string);
     out.scope.into_transaction().rollback().await;
     (out.result, violation)
 }

@@ -65,6 +65,7 @@ async fn spanner_batched_commits_isolate_each_message() {
             commit: onceq::store::commit::CommitOptions {
                 max_batch: 64,
                 max_wait: Duration::from_millis(300),
+                faults: None,
             },
             ..Default::default()
         },
@@ -149,6 +150,46 @@ async fn spanner_payments_exactly_once_under_unknown_commit_outcomes() {
         counts.after_commit.load(Relaxed) > 5 && counts.before_commit.load(Relaxed) > 2,
         "faults injected"
     );
+}
+
+/// Unknown outcomes on whole batches: a batch commit that landed, and one
+/// that was dropped, each reported to every message of the batch; the acks
+/// decide per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
+    use onceq::store::commit::CommitOptions;
+    use onceq::store::faulty::BatchFaults;
+    let (store, _) = spanner_db(
+        PAYMENTS_SPANNER_SQL,
+        StoreOptions {
+            commit: CommitOptions {
+                max_batch: 64,
+                max_wait: Duration::from_millis(20),
+                faults: Some(BatchFaults {
+                    after_commit: 0.25,
+                    before_commit: 0.25,
+                    seed: 9,
+                }),
+            },
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
+    let n = 80;
+    send_orders(store.as_ref(), n, ACCOUNTS).await;
+    let rt = runtime();
+    let r = payments_runner(&store, &rt, policy(3, 10));
+    drain(&store, std::slice::from_ref(&r)).await;
+    check_payments_exactly_once(store.as_ref(), n, ACCOUNTS, BALANCE).await;
+    let f = &store.commit_group().unwrap().faults;
+    let (landed, landed_msgs) = (f.landed_batches.load(Relaxed), f.landed_messages.load(Relaxed));
+    let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
+    eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");
+    assert!(landed >= 2 && dropped >= 2, "faults injected on both sides");
+    assert!(landed_msgs + dropped_msgs > landed + dropped, "some faulted batches held several messages");
+    assert_eq!(r.metrics.already_committed.load(Relaxed), landed_msgs);
+    assert_eq!(r.metrics.acked(), n as u64);
 }
 
 /// The production mode for real Spanner: one shared client (multiplexed

@@ -87,6 +87,7 @@ async fn sqlite_batched_commits_isolate_each_message() {
             commit: onceq::store::commit::CommitOptions {
                 max_batch: 64,
                 max_wait: Duration::from_millis(200),
+                faults: None,
             },
             ..Default::default()
         },

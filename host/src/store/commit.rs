@@ -144,6 +144,9 @@ pub struct CommitOptions {
     /// How long a leader waits for more messages before it commits
     /// (`commit.max_wait`); zero commits what is queued at once.
     pub max_wait: Duration,
+    /// Unknown outcomes injected on whole batches (tests and the demo;
+    /// never set by `onceq.toml`): see [`super::faulty::FaultyBatch`].
+    pub faults: Option<super::faulty::BatchFaults>,
 }
 
 impl Default for CommitOptions {
@@ -151,6 +154,7 @@ impl Default for CommitOptions {
         CommitOptions {
             max_batch: 64,
             max_wait: Duration::ZERO,
+            faults: None,
         }
     }
 }
@@ -185,6 +189,8 @@ pub struct Group {
     /// Batches committed and messages in them (for `make bench`).
     pub batches: Arc<std::sync::atomic::AtomicU64>,
     pub messages: Arc<std::sync::atomic::AtomicU64>,
+    /// What `options.faults` injected.
+    pub faults: Arc<super::faulty::BatchFaultCounts>,
 }
 
 impl Group {
@@ -197,6 +203,7 @@ impl Group {
             queue: Mutex::new(None),
             batches: Default::default(),
             messages: Default::default(),
+            faults: Default::default(),
         }
     }
 
@@ -220,7 +227,11 @@ impl Group {
                     Some(s) => s.clone(),
                     None => {
                         let (s, r) = mpsc::unbounded_channel();
-                        tokio::spawn(committer(r, driver(), self.options, self.batches.clone(), self.messages.clone()));
+                        let driver = match self.options.faults {
+                            Some(plan) => super::faulty::FaultyBatch::wrap(driver(), plan, self.faults.clone()),
+                            None => driver(),
+                        };
+                        tokio::spawn(committer(r, driver, self.options, self.batches.clone(), self.messages.clone()));
                         *q = Some(s.clone());
                         s
                     }
@@ -326,6 +337,7 @@ mod tests {
         let group = Arc::new(Group::new(CommitOptions {
             max_batch: 16,
             max_wait: Duration::from_millis(20),
+            faults: None,
         }));
         let rec = Arc::new(Recorder {
             sizes: Mutex::new(vec![]),
@@ -359,6 +371,7 @@ mod tests {
         let group = Group::new(CommitOptions {
             max_batch: 1,
             max_wait: Duration::ZERO,
+            faults: None,
         });
         let rec = Arc::new(Recorder {
             sizes: Mutex::new(vec![]),

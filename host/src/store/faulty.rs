@@ -109,6 +109,9 @@ impl Store for FaultyStore {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+    fn commit_group(&self) -> Option<&commit::Group> {
+        self.inner.commit_group()
+    }
     fn schema(&self) -> Arc<Schema> {
         self.inner.schema()
     }
@@ -224,5 +227,68 @@ impl Transaction for FaultyTransaction {
     }
     async fn rollback(self: Box<Self>) {
         self.inner.rollback().await
+    }
+}
+
+/// Unknown outcomes on whole batches of the group commit
+/// ([`commit::CommitOptions::faults`]): a batch that commits and then
+/// reports an unknown outcome to every message in it, or one that reports
+/// it without committing. Each message must then be re-run, and its ack
+/// decides between *already committed* and *applied now*.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BatchFaults {
+    /// The batch lands, then every message sees an unknown outcome.
+    pub after_commit: f64,
+    /// The batch is dropped, and every message sees an unknown outcome.
+    pub before_commit: f64,
+    pub seed: u64,
+}
+
+/// What [`BatchFaults`] injected: batches, and the messages in them.
+#[derive(Debug, Default)]
+pub struct BatchFaultCounts {
+    pub landed_batches: AtomicU64,
+    pub landed_messages: AtomicU64,
+    pub dropped_batches: AtomicU64,
+    pub dropped_messages: AtomicU64,
+}
+
+/// A batch committer injecting [`BatchFaults`].
+pub struct FaultyBatch {
+    inner: Arc<dyn commit::BatchCommit>,
+    plan: BatchFaults,
+    rng: Mutex<rand::rngs::StdRng>,
+    counts: Arc<BatchFaultCounts>,
+}
+
+impl FaultyBatch {
+    pub fn wrap(inner: Arc<dyn commit::BatchCommit>, plan: BatchFaults, counts: Arc<BatchFaultCounts>) -> Arc<dyn commit::BatchCommit> {
+        Arc::new(FaultyBatch {
+            inner,
+            plan,
+            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(plan.seed)),
+            counts,
+        })
+    }
+}
+
+#[async_trait]
+impl commit::BatchCommit for FaultyBatch {
+    async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+        let n = batch.len();
+        let roll: f64 = self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0);
+        let unknown = |what: &str| (0..n).map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} {what}")))).collect();
+        if roll < self.plan.before_commit {
+            self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
+            self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
+            return unknown("was dropped");
+        }
+        let results = self.inner.commit_batch(batch).await;
+        if roll < self.plan.before_commit + self.plan.after_commit && results.iter().all(Result::is_ok) {
+            self.counts.landed_batches.fetch_add(1, Ordering::Relaxed);
+            self.counts.landed_messages.fetch_add(n as u64, Ordering::Relaxed);
+            return unknown("landed");
+        }
+        results
     }
 }

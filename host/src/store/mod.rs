@@ -283,6 +283,12 @@ pub trait Store: Send + Sync + 'static {
     /// "sqlite", "spanner", ...
     fn kind(&self) -> &'static str;
 
+    /// The store's group commit, when it has one: its counts of batches
+    /// and of injected faults.
+    fn commit_group(&self) -> Option<&commit::Group> {
+        None
+    }
+
     /// The business tables, as read from the database when it was opened.
     fn schema(&self) -> Arc<Schema>;
 

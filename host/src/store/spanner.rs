@@ -827,11 +827,14 @@ fn message_from_row(queue: &str, token: &str, r: &google_cloud_spanner::result::
 struct SpannerExec<'t> {
     tx: &'t RwTx,
     schema: &'t Schema,
-    shards: u32,
     /// A batch of one: the ack asserts its row (`ASSERT_ROWS_MODIFIED 1`).
     assert_one: bool,
     /// (table, primary key) written by the messages of the batch so far.
     written: &'t mut Vec<(String, Vec<Value>)>,
+    /// Messages to insert (follow-ups, intents, sends), sent together as
+    /// multi-row `INSERT`s by [`flush_inserts`] before the commit: nothing
+    /// in the transaction reads them back.
+    inserts: &'t mut Vec<(String, SendParams)>,
     failed: Option<google_cloud_spanner::Error>,
 }
 
@@ -940,20 +943,7 @@ impl commit::Executor for SpannerExec<'_> {
     }
 
     async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()> {
-        self.update(
-            Statement::builder(format!(
-                "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
-                 VALUES (@s, @id, @q, @p, @a, 0, {NOW}, {NOW} + @d)"
-            ))
-            .add_param("s", shard_of(id, self.shards))
-            .add_param("id", id.to_string())
-            .add_param("q", p.queue.clone())
-            .add_param("p", p.payload.clone())
-            .add_param("a", attrs_to_json(&p.attributes))
-            .add_param("d", micros(p.delay))
-            .build(),
-        )
-        .await?;
+        self.inserts.push((id.to_string(), p.clone()));
         Ok(())
     }
 
@@ -970,6 +960,34 @@ impl commit::Executor for SpannerExec<'_> {
         .await?;
         Ok(())
     }
+}
+
+/// Rows of one multi-row `INSERT` (8 parameters each, well under
+/// Spanner's limit on a statement's parameters).
+const INSERT_ROWS: usize = 100;
+
+/// Insert the buffered messages, [`INSERT_ROWS`] to a statement.
+async fn flush_inserts(tx: &RwTx, shards: u32, inserts: &[(String, SendParams)]) -> google_cloud_spanner::Result<()> {
+    for chunk in inserts.chunks(INSERT_ROWS) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|i| format!("(@s{i}, @id{i}, @q{i}, @p{i}, @a{i}, 0, {NOW}, {NOW} + @d{i})"))
+            .collect();
+        let mut b = Statement::builder(format!(
+            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES {}",
+            rows.join(", ")
+        ));
+        for (i, (id, p)) in chunk.iter().enumerate() {
+            b = b
+                .add_param(format!("s{i}"), shard_of(id, shards))
+                .add_param(format!("id{i}"), id.clone())
+                .add_param(format!("q{i}"), p.queue.clone())
+                .add_param(format!("p{i}"), p.payload.clone())
+                .add_param(format!("a{i}"), attrs_to_json(&p.attributes))
+                .add_param(format!("d{i}"), micros(p.delay));
+        }
+        tx.execute_update(b.build()).await?;
+    }
+    Ok(())
 }
 
 /// Spanner's batch commit: one read-write transaction for the batch; each
@@ -993,23 +1011,28 @@ impl SpannerBatch {
         self.pool.rw("a commit", move |tx| {
             let (batch, schema) = (batch.clone(), schema.clone());
             async move {
-                let mut written = Vec::new();
+                let (mut written, mut inserts) = (Vec::new(), Vec::new());
                 let mut results = Vec::with_capacity(batch.len());
                 for p in batch.iter() {
+                    let before = inserts.len();
                     let mut ex = SpannerExec {
                         tx: &tx,
                         schema: &schema,
-                        shards,
                         assert_one,
                         written: &mut written,
+                        inserts: &mut inserts,
                         failed: None,
                     };
                     let r = commit::apply(&mut ex, p, window).await;
                     if let Some(e) = ex.failed.take() {
                         return Err(e);
                     }
+                    if r.is_err() {
+                        inserts.truncate(before); // a message that lost sends nothing
+                    }
                     results.push(r);
                 }
+                flush_inserts(&tx, shards, &inserts).await?;
                 Ok(results)
             }
         })
@@ -1208,6 +1231,10 @@ impl Store for SpannerStore {
         "spanner"
     }
 
+    fn commit_group(&self) -> Option<&commit::Group> {
+        Some(self.group.as_ref())
+    }
+
     fn schema(&self) -> Arc<Schema> {
         self.schema.clone()
     }
@@ -1218,13 +1245,13 @@ impl Store for SpannerStore {
         self.rw("a send", move |tx| {
             let (params, schema) = (params.clone(), schema.clone());
             async move {
-                let mut written = Vec::new();
+                let (mut written, mut inserts) = (Vec::new(), Vec::new());
                 let mut ex = SpannerExec {
                     tx: &tx,
                     schema: &schema,
-                    shards,
                     assert_one: false,
                     written: &mut written,
+                    inserts: &mut inserts,
                     failed: None,
                 };
                 let mut out = Vec::with_capacity(params.len());
@@ -1237,6 +1264,8 @@ impl Store for SpannerStore {
                         },
                     }
                 }
+                drop(ex);
+                flush_inserts(&tx, shards, &inserts).await?;
                 Ok(out)
             }
         })

@@ -653,6 +653,10 @@ impl Store for SqliteStore {
         "sqlite"
     }
 
+    fn commit_group(&self) -> Option<&commit::Group> {
+        Some(&self.inner.group)
+    }
+
     fn schema(&self) -> Arc<Schema> {
         self.inner.schema.clone()
     }
