@@ -203,8 +203,16 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
     assert_eq!(count("SELECT COUNT(*) FROM onceq_messages"), 0, "every queue drained (outbox too)");
     let invalid = (0..n).filter(|&i| is_invalid(i)).count() as i64;
-    assert_eq!(count("SELECT COUNT(*) FROM orders"), n as i64 - invalid, "one order row per valid order");
-    assert_eq!(count("SELECT COUNT(*) FROM onceq_dead_letters"), invalid, "only the invalid orders dead-lettered");
+    assert_eq!(
+        count("SELECT COUNT(*) FROM orders"),
+        n as i64 - invalid,
+        "one order row per valid order"
+    );
+    assert_eq!(
+        count("SELECT COUNT(*) FROM onceq_dead_letters"),
+        invalid,
+        "only the invalid orders dead-lettered"
+    );
     assert_eq!(
         count("SELECT COUNT(*) FROM onceq_dead_letters WHERE reason NOT LIKE '%amount must be positive%'"),
         0,
@@ -212,7 +220,11 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     );
     let charged_sum = count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'");
     let balances = count("SELECT SUM(balance) FROM accounts");
-    assert_eq!(balances + charged_sum, ACCOUNTS as i64 * BALANCE, "every debit applied exactly once");
+    assert_eq!(
+        balances + charged_sum,
+        ACCOUNTS as i64 * BALANCE,
+        "every debit applied exactly once"
+    );
     let charged: BTreeSet<String> = c
         .prepare("SELECT 'charge-' || id FROM orders WHERE status = 'charged'")
         .unwrap()
@@ -222,7 +234,10 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
         .collect();
     let (delivered, torn) = deliveries(&dir.path().join("charges.jsonl"));
     let keys: BTreeSet<String> = delivered.keys().cloned().collect();
-    assert_eq!(keys, charged, "one intent key per charged order, none for a declined or rolled-back one");
+    assert_eq!(
+        keys, charged,
+        "one intent key per charged order, none for a declined or rolled-back one"
+    );
     let repeats: u64 = delivered.values().map(|d| d - 1).sum();
     eprintln!(
         "chaos (SQLite): {n} messages, {hosts} hosts, {} SIGKILLs in {:.0?}; drained {:.1?} after the faults stopped; \

@@ -139,9 +139,16 @@ async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
     let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
     eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");
     assert!(landed >= 3 && dropped >= 3, "faults injected on both sides");
-    assert!(landed_msgs + dropped_msgs > landed + dropped, "some faulted batches held several messages");
+    assert!(
+        landed_msgs + dropped_msgs > landed + dropped,
+        "some faulted batches held several messages"
+    );
     let m = &r.metrics;
-    assert_eq!(m.already_committed.load(Relaxed), landed_msgs, "each message of a landed batch found already committed");
+    assert_eq!(
+        m.already_committed.load(Relaxed),
+        landed_msgs,
+        "each message of a landed batch found already committed"
+    );
     assert_eq!(m.processed.load(Relaxed) + m.already_committed.load(Relaxed), n as u64);
 }
 

@@ -59,6 +59,9 @@ impl Fate {
     }
 }
 
+/// Wraps the test database's store (a fault injector, say).
+type WrapStore = Box<dyn FnOnce(Arc<dyn Store>) -> Arc<dyn Store>>;
+
 struct Attack<'a> {
     payload: &'a str,
     handler: HandlerLimits,
@@ -66,7 +69,7 @@ struct Attack<'a> {
     tables: &'a [&'a str],
     queues: &'a [&'a str],
     connectors: &'a [&'a str],
-    store: Option<Box<dyn FnOnce(Arc<dyn Store>) -> Arc<dyn Store>>>,
+    store: Option<WrapStore>,
     seed_rows: usize,
 }
 
@@ -225,7 +228,7 @@ async fn a_retry_of_u64_max_ms_is_capped_and_the_host_stays_ready() {
         },
         db.store.clone(),
     ));
-    drain(&db.store, &[r.clone()]).await;
+    drain(&db.store, std::slice::from_ref(&r)).await;
     assert_eq!(r.metrics.retried.load(std::sync::atomic::Ordering::Relaxed), 1);
     // Stored as an integer a week ahead, not an overflowed REAL.
     let (ty, ahead): (String, i64) = db

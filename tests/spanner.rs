@@ -187,7 +187,10 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
     let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
     eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");
     assert!(landed >= 2 && dropped >= 2, "faults injected on both sides");
-    assert!(landed_msgs + dropped_msgs > landed + dropped, "some faulted batches held several messages");
+    assert!(
+        landed_msgs + dropped_msgs > landed + dropped,
+        "some faulted batches held several messages"
+    );
     assert_eq!(r.metrics.already_committed.load(Relaxed), landed_msgs);
     assert_eq!(r.metrics.acked(), n as u64);
 }
@@ -223,7 +226,10 @@ async fn spanner_shared_client_mode_processes_payments_exactly_once() {
 async fn spanner_three_hosts_drain_one_queue_exactly_once() {
     let (store, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
     seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
-    let n: usize = std::env::var("ONCEQ_TEST_MESSAGES").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
+    let n: usize = std::env::var("ONCEQ_TEST_MESSAGES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300);
     send_orders(store.as_ref(), n, ACCOUNTS).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(

@@ -411,7 +411,11 @@ impl Config {
         }
         store_options.spanner_exclusive_clients = raw.spanner.exclusive_clients;
         if let Some(t) = &raw.spanner.call_timeout {
-            let t = at_most("spanner.call_timeout", parse_duration("spanner.call_timeout", t)?, Duration::from_secs(600))?;
+            let t = at_most(
+                "spanner.call_timeout",
+                parse_duration("spanner.call_timeout", t)?,
+                Duration::from_secs(600),
+            )?;
             if t < Duration::from_millis(100) {
                 bail!("spanner.call_timeout must be at least 100ms, got {t:?}");
             }

@@ -165,12 +165,12 @@ pub fn reason(text: &str) -> String {
 pub fn duration(d: std::time::Duration) -> String {
     const UNITS: [(u128, &str); 5] = [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1000, "s"), (1, "ms")];
     let ms = d.as_millis();
-    if d.subsec_nanos() % 1_000_000 == 0 {
+    if d.subsec_nanos().is_multiple_of(1_000_000) {
         if ms == 0 {
             return "0s".into();
         }
         for (unit, name) in UNITS {
-            if ms % unit == 0 {
+            if ms.is_multiple_of(unit) {
                 return format!("{}{name}", ms / unit);
             }
         }

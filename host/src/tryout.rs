@@ -106,7 +106,10 @@ mod tests {
     /// once) and transiently (a real run re-runs, then fails the same way).
     #[tokio::test(start_paused = true)]
     async fn try_gives_the_verdict_of_a_real_run_when_a_read_fails() {
-        for error in [StoreError::Permanent("disk on fire".into()), StoreError::Unavailable("no answer".into())] {
+        for error in [
+            StoreError::Permanent("disk on fire".into()),
+            StoreError::Unavailable("no answer".into()),
+        ] {
             let (_dir, base) = testing::store();
             let plan = FaultPlan {
                 read_error: Some(error.clone()),
@@ -124,7 +127,15 @@ mod tests {
                 other => panic!("{error}: a real run retries later, got {other:?}"),
             };
             let tx = store.transaction_begin().await.unwrap();
-            let tried = run(&*handler, batch[0].message.clone(), tx, store.schema(), &r.spec.grants, &r.spec.limits).await;
+            let tried = run(
+                &*handler,
+                batch[0].message.clone(),
+                tx,
+                store.schema(),
+                &r.spec.grants,
+                &r.spec.limits,
+            )
+            .await;
             assert_eq!(tried.outcome, "failed", "{error}");
             assert_eq!(tried.reason.as_deref(), Some(real.as_str()), "{error}: same reason as the real run");
             assert!(real.contains(&error.to_string()), "{real}");

@@ -115,7 +115,9 @@ pub async fn renew_keeps_the_lease(store: Arc<dyn Store>) {
     let renewed = lease(s, "renewed", 1, 300).await.remove(0);
     let _control = lease(s, "control", 1, 300).await.remove(0);
     assert_eq!(
-        s.message_lease_renew(std::slice::from_ref(&renewed.lease), Duration::from_secs(30)).await.unwrap(),
+        s.message_lease_renew(std::slice::from_ref(&renewed.lease), Duration::from_secs(30))
+            .await
+            .unwrap(),
         vec![true]
     );
     let st = store.clone();

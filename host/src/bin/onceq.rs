@@ -219,57 +219,13 @@ fn main() -> ExitCode {
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
-    if let Command::Demo(args) = cli.command {
-        return onceq::demo::run(args).await;
-    }
-    if let Command::New { name, lang, dir, sdk } = &cli.command {
-        let p = onceq::scaffold::new_project(dir, name, lang, sdk.as_deref())?;
-        println!("created {} ({} handler); next:", p.dir.display(), p.lang);
-        println!("  cd {}", p.dir.display());
-        for step in p.build {
-            println!("  {step}");
-        }
-        println!("  onceq check {}", p.component);
-        println!("  onceq init && onceq try {} --message message.json --queue {name}", p.component);
-        return Ok(ExitCode::SUCCESS);
-    }
-    if let Command::Check { component } = &cli.command {
-        let (info, verdict) = app::check(component)?;
-        println!("component: {}", component.display());
-        println!("version:   {}", info.version);
-        println!("size:      {} bytes", info.size);
-        println!("imports:");
-        let forbidden = onceq::runtime::wasi::check_imports(info.imports.iter().map(String::as_str));
-        for i in &info.imports {
-            let bad = forbidden.iter().any(|f| f.starts_with(i.as_str()));
-            println!("  {} {i}", if bad { "✗" } else { "✓" });
-        }
-        println!("exports:");
-        for e in &info.exports {
-            println!("  {e}");
-        }
-        return Ok(match verdict {
-            Ok(()) => {
-                println!("ok: fits the onceq:handler world");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                println!("refused: {e}");
-                ExitCode::FAILURE
-            }
-        });
-    }
-    let cfg = Config::load(&cli.config)?;
+    let path = cli.config;
+    let cfg = || Config::load(&path);
     match cli.command {
-        Command::Init => {
-            let store = app::init(&cfg).await?;
-            let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
-            println!(
-                "initialized {} (business tables: {})",
-                cfg.store,
-                if tables.is_empty() { "none".into() } else { tables.join(", ") }
-            );
-        }
+        Command::Demo(args) => onceq::demo::run(args).await,
+        Command::New { name, lang, dir, sdk } => new_project(&name, &lang, &dir, sdk.as_deref()),
+        Command::Check { component } => check(&component),
+        Command::Init => init(&cfg()?).await,
         Command::Send {
             queue,
             payload,
@@ -278,296 +234,394 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             dedup_key,
             delay,
             attributes,
-        } => {
-            onceq::names::check_queue(&queue).map_err(|e| anyhow::anyhow!("{e} (intents come from handlers, through the outbox)"))?;
-            let max_delay = cfg
-                .queue(&queue)
-                .map(|q| q.effect_limits.max_delay)
-                .unwrap_or(onceq::protocol::effects::MAX_DELAY);
-            let delay = match delay {
-                Some(d) => parse_duration("--delay", &d)?,
-                None => Default::default(),
-            };
-            if delay > max_delay {
-                anyhow::bail!(
-                    "--delay {} is over the limit of {} (the queue's max_delay setting)",
-                    onceq::names::duration(delay),
-                    onceq::names::duration(max_delay)
-                );
-            }
-            let attributes = attributes
-                .iter()
-                .map(|a| app::parse_attribute(a))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            if let Some((k, _)) = attributes.iter().find(|(k, _)| onceq::names::is_reserved(k)) {
-                anyhow::bail!("--attribute {k}: names starting with \"onceq.\" are set by onceq itself");
-            }
-            if let Some(k) = &dedup_key {
-                if k.len() > onceq::names::MAX_KEY_LEN {
-                    anyhow::bail!(
-                        "--dedup-key is {} bytes long, over the limit of {}",
-                        k.len(),
-                        onceq::names::MAX_KEY_LEN
-                    );
-                }
-            }
-            if cfg.queue(&queue).is_err() {
-                eprintln!(
-                    "warning: no [[queue]] named {queue} in {}: nothing here will process these messages (queues: {})",
-                    cli.config.display(),
-                    cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
-                );
-            }
-            let store = app::open_store(&cfg).await?;
-            let payloads: Vec<Vec<u8>> = if let Some(src) = jsonl {
-                let mut text = String::new();
-                if src == "-" {
-                    std::io::stdin().read_to_string(&mut text).context("reading stdin")?;
-                } else {
-                    text = std::fs::read_to_string(&src).with_context(|| format!("reading {src}"))?;
-                }
-                app::parse_jsonl(&text).with_context(|| format!("in {src}"))?
-            } else if let Some(f) = file {
-                vec![std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?]
-            } else if let Some(p) = payload {
-                serde_json::from_str::<serde_json::Value>(&p).context("--payload is not valid JSON")?;
-                vec![p.into_bytes()]
-            } else {
-                anyhow::bail!("give the message with --payload JSON, --file F or --jsonl F")
-            };
-            let msgs: Vec<SendParams> = payloads
-                .into_iter()
-                .map(|payload| SendParams {
-                    queue: queue.clone(),
-                    payload,
-                    attributes: attributes.clone(),
-                    delay,
-                    dedup_key: dedup_key.clone(),
-                    dedup_window: None,
-                })
-                .collect();
-            let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
-            println!(
-                "sent {sent} message(s) to {queue}{}",
-                if dup > 0 {
-                    format!(", {dup} dropped as duplicates")
-                } else {
-                    String::new()
-                }
-            );
-        }
-        Command::Run { until_empty } => {
-            let runners = app::run(&cfg, app::shutdown_signal(), until_empty).await?;
-            for r in runners {
-                let m = &r.metrics;
-                use std::sync::atomic::Ordering::Relaxed;
-                println!(
-                    "{}: processed {}, already committed {}, retried {}, dead-lettered {}, released {}",
-                    r.spec.name,
-                    m.processed.load(Relaxed),
-                    m.already_committed.load(Relaxed),
-                    m.retried.load(Relaxed),
-                    m.dead_lettered.load(Relaxed),
-                    m.released.load(Relaxed)
-                );
-            }
-        }
-        Command::Stats { json } => {
-            let store = app::open_store(&cfg).await?;
-            let stats = store.stats().await?;
-            let (queues, outbox) = onceq::outbox::inspect::split_stats(&stats);
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({ "queues": queues, "outbox": outbox }))?
-                );
-            } else {
-                println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
-                for q in &queues {
-                    println!(
-                        "{:<24} {:>8} {:>8} {:>8} {:>8}",
-                        printable(&q.queue),
-                        q.ready,
-                        q.leased,
-                        q.delayed,
-                        q.dead
-                    );
-                }
-                if queues.is_empty() {
-                    println!("(no messages)");
-                }
-                for q in queues.iter().filter(|q| q.expired_leases > 0) {
-                    println!(
-                        "{}: {} of the ready messages were leased by a worker that is gone (crashed, stalled or cut off from the store); another worker takes them again",
-                        printable(&q.queue),
-                        q.expired_leases
-                    );
-                }
-                println!();
-                println!(
-                    "{:<24} {:>8} {:>9} {:>8} {:>10}",
-                    "OUTBOX", "PENDING", "IN-FLIGHT", "DEAD", "DELIVERED"
-                );
-                for c in &outbox {
-                    println!(
-                        "{:<24} {:>8} {:>9} {:>8} {:>10}",
-                        c.connector, c.pending, c.in_flight, c.dead, c.delivered_retained
-                    );
-                }
-                if outbox.is_empty() {
-                    println!("(no intents)");
-                } else {
-                    println!("(DELIVERED: keys kept for the retention window, to drop duplicate emissions)");
-                }
-            }
-        }
-        Command::Dlq { command } => {
-            let store = app::open_store(&cfg).await?;
-            match command {
-                DlqCommand::List { queue, limit, json } => {
-                    let sel = match &queue {
-                        Some(q) => onceq::store::Queues::Named(q),
-                        None => onceq::store::Queues::All,
-                    };
-                    let list = store.dead_letter_list(sel, limit).await?;
-                    if json {
-                        println!("{}", serde_json::to_string_pretty(&list)?);
-                    } else {
-                        for d in &list {
-                            // Queue and reason may come from a handler or a
-                            // producer: escaped, so they cannot drive the terminal.
-                            println!(
-                                "{}  {:<16} attempts={}  {}",
-                                d.id,
-                                printable(&d.queue),
-                                d.attempts,
-                                printable(&d.reason)
-                            );
-                        }
-                        if list.is_empty() {
-                            println!("no dead letters");
-                        }
-                    }
-                }
-                DlqCommand::Show { id } => match store.dead_letter_get(&id).await? {
-                    Some(d) => println!("{}", serde_json::to_string_pretty(&d)?),
-                    None => anyhow::bail!("no dead letter with id {id}"),
-                },
-                DlqCommand::Replay { id } => match store.dead_letter_replay(&id).await? {
-                    Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
-                    None => anyhow::bail!("no dead letter with id {id}"),
-                },
-            }
-        }
+        } => send(&cfg()?, &path, queue, payload, file, jsonl, dedup_key, delay, attributes).await,
+        Command::Run { until_empty } => run(&cfg()?, until_empty).await,
+        Command::Stats { json } => stats(&cfg()?, json).await,
+        Command::Dlq { command } => dlq(&cfg()?, command).await,
         Command::Deploy {
             queue,
             component,
             label,
             admin,
-        } => {
-            let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
-            let client = app::admin_client(&cfg, admin.as_deref())?;
-            let d = client.deploy(&queue, bytes, label.as_deref()).await?;
-            println!(
-                "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
-                d.version,
-                d.label.map(|l| format!(" ({l})")).unwrap_or_default()
-            );
-        }
-        Command::Versions { queue, admin, json } => {
-            let client = app::admin_client(&cfg, admin.as_deref())?;
-            let list = client.versions(&queue).await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
-            } else {
-                println!(
-                    "{:<2} {:<16}  {:<12} {:<9} {:>9}  DEPLOYED",
-                    "", "VERSION", "LABEL", "SOURCE", "BYTES"
-                );
-                for v in &list {
-                    let d = &v.deployment;
-                    let when = humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(d.at_ms));
-                    println!(
-                        "{:<2} {:<16}  {:<12} {:<9} {:>9}  {when}",
-                        if v.active { "*" } else { "" },
-                        d.version,
-                        d.label.as_deref().unwrap_or("-"),
-                        d.source,
-                        d.size
-                    );
-                }
-            }
-        }
-        Command::Rollback { queue, admin } => {
-            let client = app::admin_client(&cfg, admin.as_deref())?;
-            let d = client.rollback(&queue).await?;
-            println!(
-                "rolled {queue} back to {}{}",
-                d.version,
-                d.label.map(|l| format!(" ({l})")).unwrap_or_default()
-            );
-        }
-        Command::Outbox { command } => {
-            let store = app::open_store(&cfg).await?;
-            match command {
-                OutboxCommand::List {
-                    connector,
-                    dead,
-                    limit,
-                    json,
-                } => {
-                    let list = onceq::outbox::inspect::list(store.as_ref(), connector.as_deref(), dead, limit).await?;
-                    if json {
-                        println!("{}", serde_json::to_string_pretty(&list)?);
-                    } else {
-                        println!(
-                            "{:<32}  {:<10} {:<12} {:<9} {:>8}  REASON",
-                            "ID", "STATE", "CONNECTOR", "KEY", "ATTEMPTS"
-                        );
-                        for e in &list {
-                            println!(
-                                "{:<32}  {:<10} {:<12} {:<9} {:>8}  {}",
-                                e.intent.id,
-                                e.state,
-                                e.intent.connector,
-                                printable(&e.intent.idempotency_key),
-                                e.intent.attempt,
-                                printable(e.reason.as_deref().unwrap_or(""))
-                            );
-                        }
-                        if list.is_empty() {
-                            println!("no undelivered intents");
-                        }
-                    }
-                }
-                OutboxCommand::Show { id } => {
-                    let e = onceq::outbox::inspect::get(store.as_ref(), &id).await?;
-                    println!("{}", serde_json::to_string_pretty(&e)?);
-                }
-                OutboxCommand::Replay { id } => {
-                    let e = onceq::outbox::inspect::replay(store.as_ref(), &id).await?;
-                    println!(
-                        "replayed intent {id} (connector {}, key {}): back in the outbox",
-                        e.intent.connector,
-                        printable(&e.intent.idempotency_key)
-                    );
-                }
-            }
-        }
+        } => deploy(&cfg()?, queue, component, label, admin).await,
+        Command::Versions { queue, admin, json } => versions(&cfg()?, queue, admin, json).await,
+        Command::Rollback { queue, admin } => rollback(&cfg()?, queue, admin).await,
+        Command::Outbox { command } => outbox(&cfg()?, command).await,
         Command::Try {
             component,
             message,
             queue,
             id,
-        } => {
-            let payload = std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?;
-            let report = app::try_message(&cfg, &component, &queue, payload, id).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if report.outcome != "ok" {
-                return Ok(ExitCode::from(2));
+        } => try_message(&cfg()?, component, message, queue, id).await,
+    }
+}
+
+/// `onceq new`.
+fn new_project(name: &str, lang: &str, dir: &std::path::Path, sdk: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let p = onceq::scaffold::new_project(dir, name, lang, sdk)?;
+    println!("created {} ({} handler); next:", p.dir.display(), p.lang);
+    println!("  cd {}", p.dir.display());
+    for step in p.build {
+        println!("  {step}");
+    }
+    println!("  onceq check {}", p.component);
+    println!("  onceq init && onceq try {} --message message.json --queue {name}", p.component);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq check`.
+fn check(component: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let (info, verdict) = app::check(component)?;
+    println!("component: {}", component.display());
+    println!("version:   {}", info.version);
+    println!("size:      {} bytes", info.size);
+    println!("imports:");
+    let forbidden = onceq::runtime::wasi::check_imports(info.imports.iter().map(String::as_str));
+    for i in &info.imports {
+        let bad = forbidden.iter().any(|f| f.starts_with(i.as_str()));
+        println!("  {} {i}", if bad { "✗" } else { "✓" });
+    }
+    println!("exports:");
+    for e in &info.exports {
+        println!("  {e}");
+    }
+    Ok(match verdict {
+        Ok(()) => {
+            println!("ok: fits the onceq:handler world");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("refused: {e}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
+/// `onceq init`.
+async fn init(cfg: &Config) -> anyhow::Result<ExitCode> {
+    let store = app::init(cfg).await?;
+    let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
+    println!(
+        "initialized {} (business tables: {})",
+        cfg.store,
+        if tables.is_empty() { "none".into() } else { tables.join(", ") }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq send`.
+#[allow(clippy::too_many_arguments)]
+async fn send(
+    cfg: &Config,
+    config_path: &std::path::Path,
+    queue: String,
+    payload: Option<String>,
+    file: Option<PathBuf>,
+    jsonl: Option<String>,
+    dedup_key: Option<String>,
+    delay: Option<String>,
+    attributes: Vec<String>,
+) -> anyhow::Result<ExitCode> {
+    onceq::names::check_queue(&queue).map_err(|e| anyhow::anyhow!("{e} (intents come from handlers, through the outbox)"))?;
+    let max_delay = cfg
+        .queue(&queue)
+        .map(|q| q.effect_limits.max_delay)
+        .unwrap_or(onceq::protocol::effects::MAX_DELAY);
+    let delay = match delay {
+        Some(d) => parse_duration("--delay", &d)?,
+        None => Default::default(),
+    };
+    if delay > max_delay {
+        anyhow::bail!(
+            "--delay {} is over the limit of {} (the queue's max_delay setting)",
+            onceq::names::duration(delay),
+            onceq::names::duration(max_delay)
+        );
+    }
+    let attributes = attributes
+        .iter()
+        .map(|a| app::parse_attribute(a))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some((k, _)) = attributes.iter().find(|(k, _)| onceq::names::is_reserved(k)) {
+        anyhow::bail!("--attribute {k}: names starting with \"onceq.\" are set by onceq itself");
+    }
+    if let Some(k) = &dedup_key {
+        if k.len() > onceq::names::MAX_KEY_LEN {
+            anyhow::bail!(
+                "--dedup-key is {} bytes long, over the limit of {}",
+                k.len(),
+                onceq::names::MAX_KEY_LEN
+            );
+        }
+    }
+    if cfg.queue(&queue).is_err() {
+        eprintln!(
+            "warning: no [[queue]] named {queue} in {}: nothing here will process these messages (queues: {})",
+            config_path.display(),
+            cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let store = app::open_store(cfg).await?;
+    let payloads: Vec<Vec<u8>> = if let Some(src) = jsonl {
+        let mut text = String::new();
+        if src == "-" {
+            std::io::stdin().read_to_string(&mut text).context("reading stdin")?;
+        } else {
+            text = std::fs::read_to_string(&src).with_context(|| format!("reading {src}"))?;
+        }
+        app::parse_jsonl(&text).with_context(|| format!("in {src}"))?
+    } else if let Some(f) = file {
+        vec![std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?]
+    } else if let Some(p) = payload {
+        serde_json::from_str::<serde_json::Value>(&p).context("--payload is not valid JSON")?;
+        vec![p.into_bytes()]
+    } else {
+        anyhow::bail!("give the message with --payload JSON, --file F or --jsonl F")
+    };
+    let msgs: Vec<SendParams> = payloads
+        .into_iter()
+        .map(|payload| SendParams {
+            queue: queue.clone(),
+            payload,
+            attributes: attributes.clone(),
+            delay,
+            dedup_key: dedup_key.clone(),
+            dedup_window: None,
+        })
+        .collect();
+    let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
+    println!(
+        "sent {sent} message(s) to {queue}{}",
+        if dup > 0 {
+            format!(", {dup} dropped as duplicates")
+        } else {
+            String::new()
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq run`.
+async fn run(cfg: &Config, until_empty: bool) -> anyhow::Result<ExitCode> {
+    let runners = app::run(cfg, app::shutdown_signal(), until_empty).await?;
+    for r in runners {
+        let m = &r.metrics;
+        use std::sync::atomic::Ordering::Relaxed;
+        println!(
+            "{}: processed {}, already committed {}, retried {}, dead-lettered {}, released {}",
+            r.spec.name,
+            m.processed.load(Relaxed),
+            m.already_committed.load(Relaxed),
+            m.retried.load(Relaxed),
+            m.dead_lettered.load(Relaxed),
+            m.released.load(Relaxed)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq stats`.
+async fn stats(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
+    let store = app::open_store(cfg).await?;
+    let stats = store.stats().await?;
+    let (queues, outbox) = onceq::outbox::inspect::split_stats(&stats);
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "queues": queues, "outbox": outbox }))?
+        );
+    } else {
+        println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
+        for q in &queues {
+            println!(
+                "{:<24} {:>8} {:>8} {:>8} {:>8}",
+                printable(&q.queue),
+                q.ready,
+                q.leased,
+                q.delayed,
+                q.dead
+            );
+        }
+        if queues.is_empty() {
+            println!("(no messages)");
+        }
+        for q in queues.iter().filter(|q| q.expired_leases > 0) {
+            println!(
+                "{}: {} of the ready messages were leased by a worker that is gone (crashed, stalled or cut off from the store); another worker takes them again",
+                printable(&q.queue),
+                q.expired_leases
+            );
+        }
+        println!();
+        println!(
+            "{:<24} {:>8} {:>9} {:>8} {:>10}",
+            "OUTBOX", "PENDING", "IN-FLIGHT", "DEAD", "DELIVERED"
+        );
+        for c in &outbox {
+            println!(
+                "{:<24} {:>8} {:>9} {:>8} {:>10}",
+                c.connector, c.pending, c.in_flight, c.dead, c.delivered_retained
+            );
+        }
+        if outbox.is_empty() {
+            println!("(no intents)");
+        } else {
+            println!("(DELIVERED: keys kept for the retention window, to drop duplicate emissions)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq dlq`.
+async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
+    let store = app::open_store(cfg).await?;
+    match command {
+        DlqCommand::List { queue, limit, json } => {
+            let sel = match &queue {
+                Some(q) => onceq::store::Queues::Named(q),
+                None => onceq::store::Queues::All,
+            };
+            let list = store.dead_letter_list(sel, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                for d in &list {
+                    // Queue and reason may come from a handler or a
+                    // producer: escaped, so they cannot drive the terminal.
+                    println!(
+                        "{}  {:<16} attempts={}  {}",
+                        d.id,
+                        printable(&d.queue),
+                        d.attempts,
+                        printable(&d.reason)
+                    );
+                }
+                if list.is_empty() {
+                    println!("no dead letters");
+                }
             }
         }
-        Command::Check { .. } | Command::Demo(_) | Command::New { .. } => {}
+        DlqCommand::Show { id } => match store.dead_letter_get(&id).await? {
+            Some(d) => println!("{}", serde_json::to_string_pretty(&d)?),
+            None => anyhow::bail!("no dead letter with id {id}"),
+        },
+        DlqCommand::Replay { id } => match store.dead_letter_replay(&id).await? {
+            Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
+            None => anyhow::bail!("no dead letter with id {id}"),
+        },
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq deploy`.
+async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<String>, admin: Option<String>) -> anyhow::Result<ExitCode> {
+    let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
+    let client = app::admin_client(cfg, admin.as_deref())?;
+    let d = client.deploy(&queue, bytes, label.as_deref()).await?;
+    println!(
+        "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
+        d.version,
+        d.label.map(|l| format!(" ({l})")).unwrap_or_default()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq versions`.
+async fn versions(cfg: &Config, queue: String, admin: Option<String>, json: bool) -> anyhow::Result<ExitCode> {
+    let client = app::admin_client(cfg, admin.as_deref())?;
+    let list = client.versions(&queue).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else {
+        println!(
+            "{:<2} {:<16}  {:<12} {:<9} {:>9}  DEPLOYED",
+            "", "VERSION", "LABEL", "SOURCE", "BYTES"
+        );
+        for v in &list {
+            let d = &v.deployment;
+            let when = humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(d.at_ms));
+            println!(
+                "{:<2} {:<16}  {:<12} {:<9} {:>9}  {when}",
+                if v.active { "*" } else { "" },
+                d.version,
+                d.label.as_deref().unwrap_or("-"),
+                d.source,
+                d.size
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq rollback`.
+async fn rollback(cfg: &Config, queue: String, admin: Option<String>) -> anyhow::Result<ExitCode> {
+    let client = app::admin_client(cfg, admin.as_deref())?;
+    let d = client.rollback(&queue).await?;
+    println!(
+        "rolled {queue} back to {}{}",
+        d.version,
+        d.label.map(|l| format!(" ({l})")).unwrap_or_default()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq outbox`.
+async fn outbox(cfg: &Config, command: OutboxCommand) -> anyhow::Result<ExitCode> {
+    let store = app::open_store(cfg).await?;
+    match command {
+        OutboxCommand::List {
+            connector,
+            dead,
+            limit,
+            json,
+        } => {
+            let list = onceq::outbox::inspect::list(store.as_ref(), connector.as_deref(), dead, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                println!(
+                    "{:<32}  {:<10} {:<12} {:<9} {:>8}  REASON",
+                    "ID", "STATE", "CONNECTOR", "KEY", "ATTEMPTS"
+                );
+                for e in &list {
+                    println!(
+                        "{:<32}  {:<10} {:<12} {:<9} {:>8}  {}",
+                        e.intent.id,
+                        e.state,
+                        e.intent.connector,
+                        printable(&e.intent.idempotency_key),
+                        e.intent.attempt,
+                        printable(e.reason.as_deref().unwrap_or(""))
+                    );
+                }
+                if list.is_empty() {
+                    println!("no undelivered intents");
+                }
+            }
+        }
+        OutboxCommand::Show { id } => {
+            let e = onceq::outbox::inspect::get(store.as_ref(), &id).await?;
+            println!("{}", serde_json::to_string_pretty(&e)?);
+        }
+        OutboxCommand::Replay { id } => {
+            let e = onceq::outbox::inspect::replay(store.as_ref(), &id).await?;
+            println!(
+                "replayed intent {id} (connector {}, key {}): back in the outbox",
+                e.intent.connector,
+                printable(&e.intent.idempotency_key)
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq try`.
+async fn try_message(cfg: &Config, component: PathBuf, message: PathBuf, queue: String, id: Option<String>) -> anyhow::Result<ExitCode> {
+    let payload = std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?;
+    let report = app::try_message(cfg, &component, &queue, payload, id).await?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if report.outcome != "ok" {
+        return Ok(ExitCode::from(2));
     }
     Ok(ExitCode::SUCCESS)
 }

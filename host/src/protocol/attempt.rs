@@ -85,7 +85,10 @@ impl QueueRunner {
                         reruns += 1;
                         unknown_seen = true;
                         self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
-                        warn!(class = e.class(), "commit outcome unknown, re-running the message (its ack decides): {e}");
+                        warn!(
+                            class = e.class(),
+                            "commit outcome unknown, re-running the message (its ack decides): {e}"
+                        );
                     }
                     Rerun::After(pause) => {
                         reruns += 1;
@@ -95,9 +98,7 @@ impl QueueRunner {
                     }
                     Rerun::Stop => {
                         warn!(class = e.class(), "store failing after {reruns} re-runs: {e}");
-                        return self
-                            .fail(lm, handler, HandlerFailure::Store(e), unknown_seen)
-                            .await;
+                        return self.fail(lm, handler, HandlerFailure::Store(e), unknown_seen).await;
                     }
                 },
                 AttemptError::Store(StoreError::LeaseLost { .. }) => {
@@ -242,7 +243,7 @@ impl QueueRunner {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::super::testing::*;
     use super::super::{HandleOutput, HandlerFailure, NativeHandler, Outcome};
     use crate::store::faulty::{FaultPlan, FaultyStore};

@@ -255,7 +255,7 @@ pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, s
 /// folder, native handlers, a runner on one queue.
 #[cfg(test)]
 pub(crate) mod testing {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
     use crate::store::sqlite::SqliteStore;
     use crate::store::{LeaseParams, LeasedMessage, SendParams, StoreOptions};

@@ -26,11 +26,11 @@ impl QueueRunner {
         let lease = self.spec.policy.lease;
         let mut next = *renewed_at + lease / 3;
         loop {
-            tokio::time::sleep_until(next.into()).await;
+            tokio::time::sleep_until(next).await;
             let round = Instant::now();
             // The leases still held, renewed together in one transaction.
             let due: Vec<usize> = (0..rest.len())
-                .filter(|&j| !lost[j].load(Ordering::Relaxed) && !(j == 0 && committing.load(Ordering::Acquire)))
+                .filter(|&j| !(lost[j].load(Ordering::Relaxed) || (j == 0 && committing.load(Ordering::Acquire))))
                 .collect();
             let leases: Vec<_> = due.iter().filter_map(|&j| rest.get(j).map(|lm| lm.lease.clone())).collect();
             let all_ok = match self.store.message_lease_renew(&leases, lease).await {
@@ -71,7 +71,7 @@ impl QueueRunner {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::super::testing::*;
     use crate::store::faulty::{FaultPlan, FaultyStore};
     use crate::store::Store;

@@ -92,7 +92,7 @@ pub fn jittered(d: Duration) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
     fn policy() -> Policy {

@@ -291,7 +291,7 @@ async fn committer(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 

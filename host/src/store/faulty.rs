@@ -277,7 +277,11 @@ impl commit::BatchCommit for FaultyBatch {
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         let roll: f64 = self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0);
-        let unknown = |what: &str| (0..n).map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} {what}")))).collect();
+        let unknown = |what: &str| {
+            (0..n)
+                .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} {what}"))))
+                .collect()
+        };
         if roll < self.plan.before_commit {
             self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
             self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);

@@ -275,13 +275,12 @@ impl Pool {
         let make = async {
             let spanner = match spanner {
                 Some(s) => s,
-                None => Spanner::builder().build().await.map_err(|e| StoreError::Unavailable(format!("connecting to Spanner: {e}")))?,
+                None => Spanner::builder()
+                    .build()
+                    .await
+                    .map_err(|e| StoreError::Unavailable(format!("connecting to Spanner: {e}")))?,
             };
-            let client = spanner
-                .database_client(self.database.clone())
-                .build()
-                .await
-                .map_err(classify)?;
+            let client = spanner.database_client(self.database.clone()).build().await.map_err(classify)?;
             Ok((spanner, client))
         };
         match tokio::time::timeout(self.call_timeout, make).await {
@@ -1008,35 +1007,36 @@ impl SpannerBatch {
     async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>) -> StoreResult<Vec<StoreResult<()>>> {
         let (schema, shards, window) = (self.schema.clone(), self.shards, self.window);
         let assert_one = batch.len() == 1;
-        self.pool.rw("a commit", move |tx| {
-            let (batch, schema) = (batch.clone(), schema.clone());
-            async move {
-                let (mut written, mut inserts) = (Vec::new(), Vec::new());
-                let mut results = Vec::with_capacity(batch.len());
-                for p in batch.iter() {
-                    let before = inserts.len();
-                    let mut ex = SpannerExec {
-                        tx: &tx,
-                        schema: &schema,
-                        assert_one,
-                        written: &mut written,
-                        inserts: &mut inserts,
-                        failed: None,
-                    };
-                    let r = commit::apply(&mut ex, p, window).await;
-                    if let Some(e) = ex.failed.take() {
-                        return Err(e);
+        self.pool
+            .rw("a commit", move |tx| {
+                let (batch, schema) = (batch.clone(), schema.clone());
+                async move {
+                    let (mut written, mut inserts) = (Vec::new(), Vec::new());
+                    let mut results = Vec::with_capacity(batch.len());
+                    for p in batch.iter() {
+                        let before = inserts.len();
+                        let mut ex = SpannerExec {
+                            tx: &tx,
+                            schema: &schema,
+                            assert_one,
+                            written: &mut written,
+                            inserts: &mut inserts,
+                            failed: None,
+                        };
+                        let r = commit::apply(&mut ex, p, window).await;
+                        if let Some(e) = ex.failed.take() {
+                            return Err(e);
+                        }
+                        if r.is_err() {
+                            inserts.truncate(before); // a message that lost sends nothing
+                        }
+                        results.push(r);
                     }
-                    if r.is_err() {
-                        inserts.truncate(before); // a message that lost sends nothing
-                    }
-                    results.push(r);
+                    flush_inserts(&tx, shards, &inserts).await?;
+                    Ok(results)
                 }
-                flush_inserts(&tx, shards, &inserts).await?;
-                Ok(results)
-            }
-        })
-        .await
+            })
+            .await
     }
 }
 
