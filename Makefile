@@ -18,7 +18,7 @@ COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
 JS_OUT       := $(GUEST_DIR)/target/js
 JS_GUESTS    := payments inventory fixtures/sdk
 
-.PHONY: all tools guests guests-python guests-js build run run-spanner test chaos bench lint fmt clean emulator
+.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench lint fmt clean emulator
 
 all: build guests
 
@@ -72,6 +72,11 @@ $(PY_OUT)/%.wasm: $(GUEST_DIR)/python/%/app.py $(GUEST_DIR)/python/onceq_guest.p
 build:
 	$(CARGO) build --release
 
+## install: the onceq CLI into cargo's bin folder (~/.cargo/bin, on PATH
+## with rustup), for handler projects anywhere (`onceq new`, `onceq test`)
+install:
+	$(CARGO) install --locked --path host --bin onceq
+
 ## run: the demo: fresh SQLite database, example handlers, 10,000 messages, summary
 run: guests build
 	$(ONCEQ) demo --guests $(GUEST_OUT)
@@ -83,20 +88,27 @@ run-spanner: guests build
 
 ## test: every test: real SQLite files, built components, and a Cloud Spanner
 ## emulator started on free ports and stopped by pid (tests/with-spanner-emulator.sh)
-test: guests
+test:
+	@# The guests (wasm, componentize-js/py) and the host's test build share
+	@# nothing: built side by side, then every test runs.
+	$(MAKE) --no-print-directory -j2 guests test-build
 	tests/with-spanner-emulator.sh $(CARGO) test --release --workspace
 	@echo "== exactly-once and outbox again with every message committed alone (commit.max_batch = 1)"
-	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test --release --test exactly_once --test outbox
+	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test --release --test integration -- exactly_once:: outbox::
 	@echo "== again on an emulator that aborts commits at random (--enable_fault_injection)"
 	SPANNER_EMULATOR_ARGS=--enable_fault_injection tests/with-spanner-emulator.sh \
-		$(CARGO) test --release --test spanner -- spanner_payments_exactly_once spanner_lease_and_ack spanner_writes_scans_and_atomicity
+		$(CARGO) test --release --test integration -- spanner::spanner_payments_exactly_once spanner::spanner_lease_and_ack spanner::spanner_writes_scans_and_atomicity
+
+## test-build: the host and every test binary, built but not run
+test-build:
+	$(CARGO) test --release --workspace --no-run
 
 ## chaos: the long chaos run (tests/chaos.rs): 100,000 messages, hosts
 ## SIGKILLed at random for two minutes, then drained and audited from the
 ## database file; `make test` runs a short one
 chaos: guests
 	ONCEQ_CHAOS_MESSAGES=$${ONCEQ_CHAOS_MESSAGES:-100000} ONCEQ_CHAOS_SECONDS=$${ONCEQ_CHAOS_SECONDS:-120} \
-		tests/with-spanner-emulator.sh $(CARGO) test --release --test chaos -- --nocapture
+		tests/with-spanner-emulator.sh $(CARGO) test --release --test integration -- chaos:: --nocapture
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests

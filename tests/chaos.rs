@@ -15,7 +15,7 @@
 //! (`ONCEQ_CHAOS_MESSAGES`, `ONCEQ_CHAOS_SECONDS`, `ONCEQ_CHAOS_HOSTS`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::*;
 use onceq::store::{SendParams, Store, StoreOptions};

@@ -3,7 +3,7 @@
 //! shutdown on SIGTERM.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::{Path, PathBuf};
@@ -248,6 +248,20 @@ fn commands_work_end_to_end() {
     assert_eq!(stats["queues"][0]["ready"], 2);
     assert_eq!(stats["queues"][0]["delayed"], 1);
 
+    // peek: the queue's messages, what they carry and when they are due
+    let out = p.ok(&["peek", "payments"]);
+    assert_eq!(out.matches("  ready  attempts=0").count(), 2, "{out}");
+    assert_eq!(out.matches("  delayed until ").count(), 1, "{out}");
+    assert!(
+        out.contains(r#"payload: {"order_id": "o-x", "account": "acct-nobody", "amount": 5}"#),
+        "{out}"
+    );
+    let out = p.ok(&["peek", "paymnets"]);
+    assert!(
+        out.contains("no messages on paymnets (no [[queue]] named paymnets (did you mean payments?)"),
+        "{out}"
+    );
+
     // try: effects printed, nothing committed
     let msg = p.path().join("msg.json");
     std::fs::write(&msg, order(42, 3, 25)).unwrap();
@@ -264,6 +278,16 @@ fn commands_work_end_to_end() {
     assert!(out.contains("charge-o-42"), "{out}");
     assert_eq!(report["reads"], 1);
     assert_eq!(p.count("SELECT COUNT(*) FROM orders"), 0, "try commits nothing");
+    // The message from stdin; without --queue, the config's only queue's
+    // grants (its connector among them).
+    let out = p
+        .cmd(&["try", guest("payments").to_str().unwrap(), "--message", "-"])
+        .stdin(std::fs::File::open(&msg).unwrap())
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["outcome"], "ok", "{report}");
+    assert_eq!(report["message"]["queue"], "payments");
 
     // run until empty: the message delayed by an hour is not waited for
     let out = p.ok(&["run", "--until-empty"]);
@@ -276,6 +300,7 @@ fn commands_work_end_to_end() {
     let id = out.split_whitespace().next().unwrap().to_string();
     let shown: serde_json::Value = serde_json::from_str(&p.ok(&["dlq", "show", &id])).unwrap();
     assert_eq!(shown["attempts"], 1);
+    assert!(shown["failed"].as_str().unwrap().ends_with('Z'), "a time for people: {shown}");
     assert!(shown["payload_text"].as_str().unwrap().contains("acct-nobody"));
     let out = p.ok(&["dlq", "replay", &id]);
     assert!(out.contains(&format!("replayed {id}")), "{out}");
@@ -315,6 +340,57 @@ fn bad_config_is_a_clear_error() {
         e.contains("queue payments is granted table ordrs, which is not in the database"),
         "{e}"
     );
+}
+
+#[test]
+fn init_is_atomic_and_names_schema_drift() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |schema: &str| std::fs::write(dir.path().join("schema.sql"), schema).unwrap();
+    std::fs::write(
+        dir.path().join("onceq.toml"),
+        "store = \"sqlite://data/onceq.db\"\nschema = \"schema.sql\"\n",
+    )
+    .unwrap();
+    let users = "CREATE TABLE IF NOT EXISTS users (id TEXT PRIMARY KEY, name TEXT NOT NULL);\n";
+    write(users);
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(ok && out.contains("business tables: users"), "{out}");
+    let tables = || -> Vec<String> {
+        let db = rusqlite::Connection::open(dir.path().join("data/onceq.db")).unwrap();
+        let mut q = db
+            .prepare("SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'onceq%' ORDER BY name")
+            .unwrap();
+        q.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
+    };
+
+    // A file whose second table has a type onceq cannot map: refused, and
+    // its first new table is not left behind either.
+    write(&format!(
+        "{users}CREATE TABLE IF NOT EXISTS events (id TEXT PRIMARY KEY, at TIMESTAMP);\n\
+         CREATE TABLE IF NOT EXISTS money (id TEXT PRIMARY KEY, amount DECIMAL(10,2));\n"
+    ));
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(!ok && out.contains("column amount has type \"DECIMAL(10,2)\""), "{out}");
+    assert!(out.contains("nothing was changed"), "{out}");
+    assert_eq!(tables(), ["users"], "a failed init changes nothing");
+
+    // A column added to an existing table: init says it cannot add it, and how.
+    write("CREATE TABLE IF NOT EXISTS users (id TEXT PRIMARY KEY, name TEXT NOT NULL, email TEXT);\n");
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(
+        !ok && out.contains("table users: column email (string) is in the schema files but not in the database")
+            && out.contains("ALTER TABLE users ADD COLUMN email"),
+        "{out}"
+    );
+
+    // A table only the database has: noted, not refused.
+    write("CREATE TABLE IF NOT EXISTS other (id TEXT PRIMARY KEY);\n");
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(
+        ok && out.contains("note: table users is in the database but in no schema file"),
+        "{out}"
+    );
+    assert_eq!(tables(), ["other", "users"]);
 }
 
 fn onceq_in(cwd: &Path, args: &[&str]) -> (bool, String) {
@@ -360,21 +436,62 @@ fn scaffolded_project_counts(project: &Path, component: &str, queue: &str) {
     assert_eq!(count, 6, "three events of 2; the negative one dead-lettered");
 }
 
-fn run_ok(cmd: &mut Command) {
+fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?} failed: {text}");
+    text
+}
+
+/// Scaffold `name` in a temp folder, then move the project elsewhere, as a
+/// team shares or clones it: it must build where it lands.
+fn scaffold_and_move(args: &[&str], name: &str) -> (tempfile::TempDir, PathBuf, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out) = onceq_in(dir.path(), args);
+    assert!(ok && out.contains("created"), "{out}");
+    std::fs::create_dir(dir.path().join("moved")).unwrap();
+    let project = dir.path().join("moved").join(name);
+    std::fs::rename(dir.path().join(name), &project).unwrap();
+    (dir, project, out)
+}
+
+/// The language's own test command ran the project's test cases with
+/// `onceq test` (its output is `out`); then a wrong expectation makes
+/// `onceq test` fail with a report that shows the difference.
+fn scaffolded_tests_pass_then_fail_readably(project: &Path, out: &str, test_file: &str) {
+    assert!(out.contains("4 cases passed"), "{out}");
+    let (ok, out) = onceq_in(project, &["test"]);
+    assert!(ok && out.contains("ok    adds to an existing count"), "{out}");
+    let path = project.join(test_file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace("count = 42", "count = 43")).unwrap();
+    let (ok, out) = onceq_in(project, &["test"]);
+    assert!(!ok, "a failing case fails the run: {out}");
+    for part in [
+        "FAIL  adds to an existing count",
+        r#"expected a write to counters with key = "signup", count = 43"#,
+        "the handler's effects:",
+        r#"upsert counters {key: "signup", count: 42, updated_at: 2026-01-01T00:00:00"#,
+        "4 cases: 3 passed, 1 failed",
+    ] {
+        assert!(out.contains(part), "missing {part:?} in:\n{out}");
+    }
+    std::fs::write(&path, text).unwrap();
+}
+
+/// The `onceq` binary, for projects' test commands (`$ONCEQ`).
+fn onceq_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_onceq")
 }
 
 #[test]
-fn onceq_new_scaffolds_a_rust_handler_that_builds_checks_and_counts() {
+fn onceq_new_scaffolds_a_rust_handler_that_builds_tests_checks_and_counts() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, out) = onceq_in(dir.path(), &["new", "hello-counter"]);
-    assert!(ok && out.contains("created") && out.contains("cargo build --release"), "{out}");
+    assert!(
+        ok && out.contains("created") && out.contains("cargo handler") && out.contains("cargo test"),
+        "{out}"
+    );
     let (ok, out) = onceq_in(dir.path(), &["new", "hello-counter"]);
     assert!(!ok && out.contains("already exists"), "{out}");
     let (ok, out) = onceq_in(dir.path(), &["new", "other", "--lang", "cobol"]);
@@ -385,30 +502,34 @@ fn onceq_new_scaffolds_a_rust_handler_that_builds_checks_and_counts() {
     let (ok, out) = onceq_in(dir.path(), &["new", "Bad Name"]);
     assert!(!ok && out.contains("lowercase letters"), "{out}");
 
-    // Build it as an author would (sharing the examples' dependencies and
-    // build folder to save time).
-    let project = dir.path().join("hello-counter");
-    let guests = repo_root().join("guest-examples");
-    std::fs::copy(guests.join("Cargo.lock"), project.join("Cargo.lock")).unwrap();
-    run_ok(
-        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    // Moved elsewhere, it builds on its own copy of the SDK; `cargo test`
+    // (on this machine, not wasm) builds the component and runs the test
+    // cases through `onceq test`. The examples' lock file pins the same
+    // dependency versions (no new download).
+    let (_dir, project, _) = scaffold_and_move(&["new", "hello-counter"], "hello-counter");
+    let toml = std::fs::read_to_string(project.join("Cargo.toml")).unwrap();
+    assert!(toml.contains(r#"onceq-guest = { path = "onceq-guest" }"#), "{toml}");
+    std::fs::copy(repo_root().join("guest-examples/Cargo.lock"), project.join("Cargo.lock")).unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = run_ok(
+        Command::new(cargo)
             .current_dir(&project)
-            .args(["build", "--release"])
-            .env("CARGO_TARGET_DIR", guests.join("target")),
+            .arg("test")
+            .env("ONCEQ", onceq_bin())
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("RUSTFLAGS"),
     );
-    let built = guests.join("target/wasm32-wasip2/release/hello_counter.wasm");
-    let local = project.join("target/wasm32-wasip2/release/hello_counter.wasm");
-    std::fs::create_dir_all(local.parent().unwrap()).unwrap();
-    std::fs::copy(&built, &local).unwrap();
+    scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_counter.test.toml");
     scaffolded_project_counts(&project, "target/wasm32-wasip2/release/hello_counter.wasm", "hello-counter");
 }
 
 #[test]
-fn onceq_new_scaffolds_a_javascript_handler_that_builds_checks_and_counts() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ok, out) = onceq_in(dir.path(), &["new", "hello-js", "--lang", "js"]);
-    assert!(ok && out.contains("npm install") && out.contains("npm run build"), "{out}");
-    let project = dir.path().join("hello-js");
+fn onceq_new_scaffolds_a_javascript_handler_that_builds_tests_checks_and_counts() {
+    let (_dir, project, out) = scaffold_and_move(&["new", "hello-js", "--lang", "js"], "hello-js");
+    assert!(
+        out.contains("npm install") && out.contains("npm run build") && out.contains("npm test"),
+        "{out}"
+    );
     // `npm install` would fetch the pinned builder its package.json names;
     // the examples' copy (same pins) stands in for it, then the project's
     // own build script runs.
@@ -420,16 +541,17 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_checks_and_counts() {
     assert_eq!(pinned(&project), pinned(&tools), "the scaffold pins the builder the examples use");
     std::os::unix::fs::symlink(tools.join("node_modules"), project.join("node_modules")).unwrap();
     run_ok(Command::new("npm").current_dir(&project).args(["run", "check"]));
-    run_ok(Command::new("npm").current_dir(&project).args(["run", "build"]));
+    let out = run_ok(Command::new("npm").current_dir(&project).arg("test").env("ONCEQ", onceq_bin()));
+    scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_js.test.toml");
     scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
 }
 
 #[test]
-fn onceq_new_scaffolds_a_python_handler_that_builds_checks_and_counts() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ok, out) = onceq_in(dir.path(), &["new", "hello-py", "--lang", "python"]);
-    assert!(ok && out.contains("make"), "{out}");
-    let project = dir.path().join("hello-py");
+fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
+    let (_dir, project, out) = scaffold_and_move(&["new", "hello-py", "--lang", "python"], "hello-py");
+    assert!(out.contains("make") && out.contains("make test"), "{out}");
+    let ignored = std::fs::read_to_string(project.join(".gitignore")).unwrap();
+    assert!(ignored.contains("__pycache__/"), "{ignored}");
     // The project's Makefile would install componentize-py (pinned in its
     // requirements.txt) into .venv; the copy `make guests` installed (same
     // pin) stands in for it.
@@ -441,10 +563,13 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_checks_and_counts() {
         "same pin as the examples"
     );
     let componentize = repo_root().join("tools/python/bin/componentize-py");
-    run_ok(
+    let out = run_ok(
         Command::new("make")
             .current_dir(&project)
-            .arg(format!("COMPONENTIZE_PY={}", componentize.display())),
+            .arg("test")
+            .arg(format!("COMPONENTIZE_PY={}", componentize.display()))
+            .arg(format!("ONCEQ={}", onceq_bin())),
     );
+    scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_py.test.toml");
     scaffolded_project_counts(&project, "build/hello_py.wasm", "hello-py");
 }

@@ -5,7 +5,7 @@
 //! keeps the deployed version and reuses the compiled-component cache.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::host::Host;
 use common::*;
@@ -183,6 +183,11 @@ tables = ["tally"]
     assert!(out.contains(&format!("deployed {h2} to tally (v2)")), "{out}");
     let (ok, out) = host.onceq(&["deploy", "tally", guest("forbidden").to_str().unwrap()]).await;
     assert!(!ok && out.contains("component refused") && out.contains("wasi:filesystem"), "{out}");
+    assert!(
+        host.log().contains("deploy refused, the running version keeps serving") && host.log().contains("wasi:filesystem"),
+        "the host logs a refused deploy too: {}",
+        host.log()
+    );
     let (ok, out) = host.onceq(&["deploy", "nope", v2.to_str().unwrap()]).await;
     assert!(!ok && out.contains("no queue named nope"), "{out}");
     let out = host.ok(&["versions", "tally"]).await;
@@ -245,5 +250,89 @@ tables = ["tally"]
     let rows = tally_rows(&rusqlite::Connection::open(host.dir.path().join("onceq.db")).unwrap());
     assert_eq!(rows.len(), 50);
     assert!(rows.iter().all(|(_, n, b)| *n == 1 && b == "tally-v2"));
+    host.stop().await;
+}
+
+/// `onceq dev`, the author's loop, against a running host: it builds with
+/// the project's command, runs the test cases, and hot-swaps the component
+/// only when they pass; a change of the component or of a test file starts
+/// a new round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("schema.sql"), TALLY_SQL).unwrap();
+    std::fs::create_dir_all(d.join("src")).unwrap();
+    std::fs::create_dir_all(d.join("build")).unwrap();
+    std::fs::copy(guest("tally_v1"), d.join("src/handler.wasm")).unwrap();
+    std::fs::copy(guest("tally_v1"), d.join("build/tally.wasm")).unwrap();
+    std::fs::write(
+        d.join("onceq.toml"),
+        "store = \"onceq.db\"\nschema = \"schema.sql\"\n\n[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"s3cret\"\n\n\
+         [[queue]]\nname = \"tally\"\nhandler = \"build/tally.wasm\"\ntables = [\"tally\"]\n",
+    )
+    .unwrap();
+    let case = |build: &str| {
+        format!(
+            "[[case]]\nname = \"counts a message\"\nmessage = {{}}\n\
+             writes = [{{ table = \"tally\", row = {{ id = \"m-1\", n = 1, build = \"{build}\" }} }}]\n"
+        )
+    };
+    std::fs::write(d.join("tally.test.toml"), case("tally-v1")).unwrap();
+    let mut host = Host::new(dir);
+    host.ok(&["init"]).await;
+    host.start().await;
+    let (h1, h2) = (
+        version_of(&std::fs::read(guest("tally_v1")).unwrap()),
+        version_of(&std::fs::read(guest("tally_v2")).unwrap()),
+    );
+
+    let logs = tempfile::tempdir().unwrap();
+    let out_path = logs.path().join("dev.out");
+    let mut dev = host
+        .cmd(&["dev", "--build", "cp src/handler.wasm build/tally.wasm", "--poll", "100ms"])
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(logs.path().join("dev.err")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = || std::fs::read_to_string(&out_path).unwrap_or_default();
+    let rounds = |n: usize| {
+        let out_path = out_path.clone();
+        move || {
+            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+            async move { text.matches("watching").count() >= n }
+        }
+    };
+    wait_until("dev's first round", Duration::from_secs(120), rounds(1)).await;
+    let text = out();
+    assert!(
+        text.contains("building: cp src/handler.wasm build/tally.wasm") && text.contains("1 case passed"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("deployed {h1} to tally")) && text.contains("ok: watching"),
+        "{text}"
+    );
+
+    // A new build whose test case fails: reported, not deployed.
+    std::fs::copy(guest("tally_v2"), host.dir.path().join("src/handler.wasm")).unwrap();
+    wait_until("dev's second round", Duration::from_secs(120), rounds(2)).await;
+    let text = out();
+    assert!(text.contains("changed: src/handler.wasm"), "{text}");
+    assert!(
+        text.contains("FAIL  counts a message") && text.contains(r#"build: "tally-v2""#),
+        "{text}"
+    );
+    assert!(text.contains("FAILED: watching"), "{text}");
+    assert_eq!(host.active().await["version"], h1.as_str(), "a failing build is not deployed");
+
+    // The case updated to the new behaviour: it passes and is deployed.
+    std::fs::write(host.dir.path().join("tally.test.toml"), case("tally-v2")).unwrap();
+    wait_until("dev's third round", Duration::from_secs(120), rounds(3)).await;
+    let text = out();
+    assert!(text.contains(&format!("deployed {h2} to tally")), "{text}");
+    assert_eq!(host.active().await["version"], h2.as_str());
+    dev.kill().await.unwrap();
     host.stop().await;
 }

@@ -3,7 +3,7 @@
 //! under a slow handler, handler retry/reject, poison messages.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::*;
 use onceq::protocol::{HandleOutput, HandlerFailure, NativeHandler, Outcome};

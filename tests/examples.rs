@@ -1,7 +1,7 @@
 //! The example handlers behave as documented (each example has a test).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::*;
 use onceq::runtime::HandlerLimits;

@@ -9,7 +9,7 @@
 //! never left parked).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::host::Host;
 use common::http::Receiver;

@@ -6,7 +6,7 @@
 //! worker that loses its lease.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::http::{Faults, Receiver};
 use common::*;

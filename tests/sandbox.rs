@@ -3,7 +3,7 @@
 //! clear error and loses nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::*;
 use onceq::protocol::{EffectLimits, Handler, HandlerFailure, QueueRunner, QueueSpec, ReadScope};
@@ -70,6 +70,10 @@ async fn trap_is_a_handler_failure_with_the_guest_panic_message() {
     )
     .await;
     assert!(reason.contains("trap") && reason.contains("chaos: asked to trap"), "{reason}");
+    assert!(
+        reason.contains(", at fixtures/chaos/src/lib.rs:"),
+        "the panic's file and line: {reason}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,6 +132,18 @@ async fn ungranted_table_write_and_read_are_refused() {
     let payload = serde_json::json!({"do": "enqueue", "queue": "elsewhere"}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
     assert!(reason.contains("enqueue on queue elsewhere is not granted"), "{reason}");
+
+    // A table that does not exist is a typo, not a missing grant: named as
+    // unknown, with the granted table it was probably meant to be.
+    for action in ["read", "write"] {
+        let db = TestDb::new(CHAOS_SQL);
+        let payload = serde_json::json!({"do": action, "table": "chaos_logs"}).to_string();
+        let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
+        assert!(
+            reason.contains("unknown table chaos_logs (did you mean chaos_log?)"),
+            "{action}: {reason}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

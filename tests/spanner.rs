@@ -2,7 +2,7 @@
 //! against the Spanner store on the Cloud Spanner emulator.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::conformance as suite;
 use common::spanner::spanner_db;

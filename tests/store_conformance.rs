@@ -2,7 +2,7 @@
 //! SQLite store, on a real WAL file.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use common::conformance as suite;
 use common::TestDb;

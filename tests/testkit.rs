@@ -286,7 +286,7 @@ fn python_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
 /// byte, and the ones the fixture asked for (names, types, options).
 #[test]
 fn the_javascript_and_python_sdks_emit_every_effect_alike() {
-    let kit = cached_kit().queues(&["next"]).connectors(&["hook"]);
+    let kit = cached_kit().enqueue(&["next"]).connectors(&["hook"]);
     let mut db = Fixture::from_ddl(
         "CREATE TABLE clock (id TEXT PRIMARY KEY, seen TEXT NOT NULL);
          CREATE TABLE kv (k TEXT NOT NULL, n INTEGER NOT NULL, f REAL, j JSON, b BLOB, t TIMESTAMP, flag BOOLEAN, note TEXT, PRIMARY KEY (k, n));",

@@ -432,6 +432,13 @@ impl Client {
         let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
         if !status.is_success() {
             let msg = body["error"].as_str().unwrap_or("no details");
+            if status == reqwest::StatusCode::UNAUTHORIZED {
+                let hint = match self.token {
+                    None => "no token was sent: set ONCEQ_ADMIN_TOKEN (or admin.token in the config) to the host's token",
+                    Some(_) => "the token sent (ONCEQ_ADMIN_TOKEN or admin.token) is not the host's",
+                };
+                anyhow::bail!("{msg} (HTTP {status}): {hint}");
+            }
             anyhow::bail!("{msg} (HTTP {status})");
         }
         Ok(body)

@@ -19,6 +19,16 @@ pub async fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     store::init(&cfg.store, &ddl, &cfg.store_options).await
 }
 
+/// How the database's tables differ from the schema files (see
+/// [`crate::schema::drift`]); nothing when the files are not SQLite DDL
+/// (a Spanner schema is checked by Spanner itself).
+pub fn schema_drift(cfg: &Config, store: &dyn Store) -> anyhow::Result<(Vec<String>, bool)> {
+    let Ok(files) = store::sqlite::schema_from_ddl(&cfg.schema_ddl()?) else {
+        return Ok((Vec::new(), false));
+    };
+    Ok(crate::schema::drift(&files, &store.schema()))
+}
+
 pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     store::open(&cfg.store, &cfg.store_options).await
 }
@@ -30,12 +40,28 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
         bail!("no [[queue]] and no [[connector]] configured: nothing to run");
     }
     runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
+    warn_unserved_targets(cfg);
     let mut out = Vec::new();
     for q in &cfg.queues {
         out.push(q.runner(store, |q| Ok(Arc::new(runtime.load_file(&q.handler, q.limits)?)))?);
     }
     out.extend(build_outbox_runners(cfg, store)?);
     Ok(out)
+}
+
+/// A queue may enqueue on queues this config does not serve (another
+/// host may); say so at start, since a typo parks its messages for good.
+fn warn_unserved_targets(cfg: &Config) {
+    for q in &cfg.queues {
+        for t in q.grants.queues.iter().filter(|t| cfg.queue(t).is_err()) {
+            tracing::warn!(
+                queue = %q.name,
+                "queue {} may enqueue on {t}{}, which no [[queue]] of this config serves: its messages wait until a host serves it",
+                q.name,
+                crate::names::did_you_mean(t, cfg.queues.iter().map(|q| q.name.as_str()))
+            );
+        }
+    }
 }
 
 /// One runner per configured connector, working its outbox queue.

@@ -242,9 +242,13 @@ impl Deployer {
                 .await
                 .map_err(|e| DeployFailure::Internal(format!("compiling: {e}")))?
         };
-        let handler = compiled.map_err(|e| DeployFailure::Refused {
-            version: version.clone(),
-            reason: e.to_string(),
+        let handler = compiled.map_err(|e| {
+            // The host's own log says so too, not only the caller's answer.
+            tracing::warn!(queue, version = %version, source, "deploy refused, the running version keeps serving: {e}");
+            DeployFailure::Refused {
+                version: version.clone(),
+                reason: e.to_string(),
+            }
         })?;
         let mut history = self.history.lock().await;
         let entries = history.queues.entry(queue.to_string()).or_default();

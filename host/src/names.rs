@@ -185,10 +185,43 @@ pub fn quoted(name: &str, max: usize) -> String {
     format!("\"{}{more}\"", printable(&shown))
 }
 
+/// Microseconds since the Unix epoch as RFC 3339 UTC text, for people.
+pub fn time(us: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_micros(us.max(0) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// `" (did you mean X?)"` when one of `known` is close to `name` (a typo,
+/// a missing plural, another case), else `""`: appended to "unknown table",
+/// "unknown column" and "unknown queue" errors.
+pub fn did_you_mean<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> String {
+    let lower = name.to_ascii_lowercase();
+    let best = known
+        .into_iter()
+        .filter(|k| *k != name)
+        .map(|k| (strsim::jaro_winkler(&lower, &k.to_ascii_lowercase()), k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    match best {
+        Some((_, k)) => format!(" (did you mean {k}?)"),
+        None => String::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn did_you_mean_suggests_only_close_names() {
+        let tables = ["users", "orders", "accounts"];
+        assert_eq!(did_you_mean("user", tables), " (did you mean users?)");
+        assert_eq!(did_you_mean("acounts", tables), " (did you mean accounts?)");
+        assert_eq!(did_you_mean("Orders", tables), " (did you mean orders?)");
+        assert_eq!(did_you_mean("inventory", tables), "");
+        assert_eq!(did_you_mean("users", tables), "", "a known name needs no suggestion");
+    }
 
     #[test]
     fn queue_names_are_checked_with_the_reason() {

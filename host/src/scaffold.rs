@@ -2,16 +2,15 @@
 //! buildable, checkable and runnable in a few commands.
 //!
 //! Every project is the same counter (a read-modify-write of one row per
-//! event key) with its schema, an `onceq.toml`, a sample message and a
-//! README. JavaScript and Python projects carry their SDK file and the WIT
-//! (copied from this build of onceq, so they are self-contained); Rust
-//! projects depend on the `onceq-guest` crate by path.
+//! event key) with its schema, an `onceq.toml`, a sample message, test
+//! cases for `onceq test` (`NAME.test.toml`, run by the language's own test
+//! command) and a README. Every project carries its SDK and the WIT, copied
+//! from this build of onceq, so it is self-contained: it builds wherever it
+//! is moved or cloned (Rust: the `onceq-guest` crate in `onceq-guest/`, or
+//! the crate at `--sdk` by path for work on the SDK itself).
 
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
-
-/// The guest SDK next to this build of onceq (the default `--sdk`).
-pub const DEFAULT_SDK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../guest-examples/sdk");
 
 /// Languages `onceq new` can scaffold (`--lang`).
 pub const LANGUAGES: &[&str] = &["rust", "js", "python"];
@@ -36,6 +35,23 @@ const JS_TSCONFIG: &str = r#"{
 }
 "#;
 const PY_SDK: &str = include_str!("../../guest-examples/python/onceq_guest.py");
+/// The Rust SDK's source, copied into a project as its `onceq-guest` crate
+/// (reading the project's `wit/` instead of onceq's).
+const RUST_SDK: &str = include_str!("../../guest-examples/sdk/src/lib.rs");
+const RUST_SDK_WIT_PATH: &str = "path: \"../../wit\"";
+const RUST_SDK_CARGO_TOML: &str = r#"# The onceq guest SDK, copied here by `onceq new` (a newer onceq writes a
+# newer copy). It reads the handler contract from ../wit/handler.wit.
+[package]
+name = "onceq-guest"
+version = "0.1.0"
+edition = "2021"
+publish = false
+
+[dependencies]
+wit-bindgen = "0.61"
+serde = { version = "1", features = ["derive"] }
+serde_json = "1"
+"#;
 
 /// A language's project: what `onceq new` wrote, and how to build it.
 #[derive(Debug)]
@@ -73,13 +89,75 @@ strip = true
 panic = "abort"
 "#;
 
-const CARGO_CONFIG: &str = r#"# Handlers are WebAssembly components: `cargo build --release` builds one.
-[build]
-target = "wasm32-wasip2"
+const CARGO_CONFIG: &str = r#"# Handlers are WebAssembly components: `cargo build --release --target
+# wasm32-wasip2` builds one (`cargo handler` for short). `cargo test` runs on
+# this machine and tests the built component with `onceq test`.
+[alias]
+handler = "build --release --target wasm32-wasip2"
 
 # A small shadow stack: less memory to map per fresh instance.
 [target.wasm32-wasip2]
 rustflags = ["-C", "link-arg=-zstack-size=65536"]
+"#;
+
+const RUST_TEST: &str = r#"//! `cargo test`: builds the component (`cargo handler`) and runs the test
+//! cases in {file}.test.toml against it with `onceq test` (on PATH, or at
+//! $ONCEQ), which gives the verdicts of a real run without a database.
+
+use std::process::Command;
+
+#[test]
+fn handler_test_cases() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo)
+        .current_dir(dir)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .status()
+        .expect("running cargo build");
+    assert!(built.success(), "building the component failed");
+    let onceq = std::env::var("ONCEQ").unwrap_or_else(|_| "onceq".into());
+    let status = Command::new(&onceq)
+        .current_dir(dir)
+        .arg("test")
+        .status()
+        .unwrap_or_else(|e| panic!("running {onceq}: {e} (install onceq: see its README, or set ONCEQ)"));
+    assert!(status.success(), "onceq test: some cases failed (its report is above)");
+}
+"#;
+
+const TEST_CASES: &str = r#"# Test cases for the {name} handler. `onceq test` runs each one against the
+# built component ({component}) with the grants of onceq.toml and the
+# tables of schema.sql, and gives the verdict a real run would; nothing
+# needs a database. A case: fixture rows (rows.TABLE), a message, and what
+# should come of it: expect = ok (default) | retry | reject | failed |
+# invalid-effects, part of the reason, and the writes, follow-ups
+# (enqueued) and intents expected. Each expected effect matches on the
+# fields it gives; `exact = true` also refuses effects not listed.
+queue = "{name}"
+
+[[case]]
+name = "counts a new key from zero"
+message = { key = "signup" }
+writes = [{ table = "counters", op = "upsert", row = { key = "signup", count = 1, updated_at = "2026-01-01T00:00:00Z" } }]
+
+[[case]]
+name = "adds to an existing count"
+rows.counters = [{ key = "signup", count = 41 }]
+message = { key = "signup", by = 1 }
+writes = [{ table = "counters", row = { key = "signup", count = 42 } }]
+exact = true
+
+[[case]]
+name = "refuses a step that is not positive"
+message = { key = "signup", by = 0 }
+expect = "reject"
+reason = "by must be positive"
+
+[[case]]
+name = "refuses a payload without a key"
+message = { by = 2 }
+expect = "reject"
 "#;
 
 const LIB_RS: &str = r#"//! The `{name}` handler: counts events per key.
@@ -154,7 +232,8 @@ const README: &str = r#"# {name}
 An onceq handler (Rust, built as a WebAssembly component).
 
 ```sh
-cargo build --release                                    # -> target/wasm32-wasip2/release/{file}.wasm
+cargo handler                                            # -> target/wasm32-wasip2/release/{file}.wasm
+cargo test                                               # builds it and runs {file}.test.toml with onceq test
 onceq check target/wasm32-wasip2/release/{file}.wasm     # fits the handler world?
 onceq init                                               # creates data/onceq.db with schema.sql
 onceq try target/wasm32-wasip2/release/{file}.wasm --message message.json --queue {name}
@@ -162,12 +241,25 @@ onceq send {name} --payload '{"key": "signup"}'
 onceq run --until-empty
 ```
 
+(`cargo handler` is `cargo build --release --target wasm32-wasip2`, an
+alias in `.cargo/config.toml`.)
+
 Then, with `onceq run` serving, ship a new version without a restart:
 `onceq deploy {name} target/wasm32-wasip2/release/{file}.wasm --label v2`
 (set `ONCEQ_ADMIN_TOKEN` for the host and the CLI).
 
-Test it without a database with the handler test kit, `onceq-testkit`
-(see onceq's `tests/testkit.rs`).
+## Tests
+
+`{file}.test.toml` holds test cases: fixture rows, a message, and the
+outcome and effects expected. `onceq test` runs them against the built
+component with the verdicts of a real run (grants from `onceq.toml`, tables
+from `schema.sql`), no database needed; `cargo test` builds the component
+and calls it. A failed case prints what was expected and every effect the
+handler had.
+
+`onceq-guest/` is the onceq SDK (a copy: the project builds wherever it is
+moved or cloned); `wit/handler.wit` is the contract the component is built
+against.
 "#;
 
 const JS_PACKAGE: &str = r#"{
@@ -177,7 +269,8 @@ const JS_PACKAGE: &str = r#"{
   "type": "module",
   "scripts": {
     "check": "tsc -p tsconfig.json",
-    "build": "mkdir -p build && componentize-js src/app.js --wit wit -n queue-handler -d stdio http fetch-event -o build/{file}.wasm"
+    "build": "mkdir -p build && componentize-js src/app.js --wit wit -n queue-handler -d stdio http fetch-event -o build/{file}.wasm",
+    "test": "npm run build && ${ONCEQ:-onceq} test"
   },
   "devDependencies": {
     "@bytecodealliance/componentize-js": "0.23.0",
@@ -232,13 +325,19 @@ Handler = export(handle)
 "#;
 
 const PY_MAKEFILE: &str = "# `make` builds build/{file}.wasm with componentize-py (pinned in
-# requirements.txt, installed into .venv on first use).
+# requirements.txt, installed into .venv on first use); `make test` builds
+# it and runs {file}.test.toml with `onceq test`.
 PYTHON ?= python3
 COMPONENTIZE_PY ?= .venv/bin/componentize-py
+ONCEQ ?= onceq
 
 build/{file}.wasm: src/app.py src/onceq_guest.py wit/handler.wit | $(COMPONENTIZE_PY)
 \tmkdir -p build
 \t$(COMPONENTIZE_PY) -d wit -w queue-handler componentize app -p src --stub-wasi -o $@
+
+.PHONY: test
+test: build/{file}.wasm
+\t$(ONCEQ) test
 
 .venv/bin/componentize-py: requirements.txt
 \t$(PYTHON) -m venv .venv
@@ -247,6 +346,7 @@ build/{file}.wasm: src/app.py src/onceq_guest.py wit/handler.wit | $(COMPONENTIZ
 
 const GITIGNORE: &str = "node_modules/
 .venv/
+__pycache__/
 build/
 target/
 data/
@@ -259,6 +359,7 @@ An onceq handler ({language}, built as a WebAssembly component).
 
 ```sh
 {build}    # -> {component}
+{test}    # builds it and runs {file}.test.toml with onceq test
 onceq check {component}     # fits the handler world?
 onceq init                  # creates data/onceq.db with schema.sql
 onceq try {component} --message message.json --queue {name}
@@ -272,21 +373,64 @@ Then, with `onceq run` serving, ship a new version without a restart:
 
 `src/{sdk}` is the onceq SDK (reads, writes, enqueue, intents, reject and
 retry); `wit/handler.wit` is the contract the component is built against.
-(JavaScript: `npm run check` type-checks `src/app.js` against the SDK's
-declarations, `src/onceq-guest.d.ts`.)
-The handler's clock and randomness are the message's: {clock}
+{extra}The handler's clock and randomness are the message's: {clock}
 A re-run of the same message gives the same effects.
 
-Test it without a database with the handler test kit, `onceq-testkit`
-(see onceq's `tests/testkit.rs`), which loads the built component.
+## Tests
+
+`{file}.test.toml` holds test cases: fixture rows, a message, and the
+outcome and effects expected. `onceq test` runs them against the built
+component with the verdicts of a real run (grants from `onceq.toml`, tables
+from `schema.sql`), no database needed; `{test}` builds the component and
+calls it (`ONCEQ=/path/to/onceq` if onceq is not on PATH). A failed case
+prints what was expected and every effect the handler had.
 "#;
 
 fn render(t: &str, name: &str, file: &str, sdk: &str) -> String {
     t.replace("{name}", name).replace("{file}", file).replace("{sdk}", sdk)
 }
 
+/// What differs between the JavaScript and Python projects' READMEs.
+struct OtherLanguage {
+    language: &'static str,
+    build: &'static str,
+    test: &'static str,
+    sdk: &'static str,
+    extra: &'static str,
+    clock: &'static str,
+}
+
+const JS: OtherLanguage = OtherLanguage {
+    language: "JavaScript",
+    build: "npm install && npm run check && npm run build",
+    test: "npm test",
+    sdk: "onceq-guest.js",
+    extra: "`npm run check` type-checks `src/app.js` against the SDK's declarations,\n`src/onceq-guest.d.ts`.\n",
+    clock: "`Date.now()` is its logical time, and `Math.random()` and `crypto.getRandomValues()` are seeded from its id.",
+};
+
+const PYTHON: OtherLanguage = OtherLanguage {
+    language: "Python",
+    build: "make",
+    test: "make test",
+    sdk: "onceq_guest.py",
+    extra: "",
+    clock: "`msg.now` and `time.time()` are its logical time, and `random`, `os.urandom()` and `uuid.uuid4()` are seeded from its id (the SDK provides them: the component is built with `--stub-wasi`, without WASI clocks or entropy).",
+};
+
+/// Check a project name: it names the folder and the queue.
+fn check_name(name: &str) -> anyhow::Result<()> {
+    let mut chars = name.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_lowercase());
+    if !first_ok || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_') {
+        bail!("name {name:?}: use lowercase letters, digits, '-' and '_', starting with a letter (it names the project and the queue)");
+    }
+    Ok(())
+}
+
 /// Write a new handler project `name` in `parent`, in `lang` (see
-/// [`LANGUAGES`]; `javascript` and `py` are accepted too).
+/// [`LANGUAGES`]; `javascript` and `py` are accepted too). Rust projects
+/// carry a copy of the SDK unless `sdk` names a crate to depend on by path.
 pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) -> anyhow::Result<Project> {
     let lang: &'static str = match lang {
         "rust" | "rs" => "rust",
@@ -294,14 +438,7 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
         "python" | "py" => "python",
         other => bail!("--lang {other}: onceq scaffolds {} handlers", LANGUAGES.join(", ")),
     };
-    if name.is_empty()
-        || !name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
-    {
-        bail!("name {name:?}: use lowercase letters, digits, '-' and '_', starting with a letter (it names the project and the queue)");
-    }
+    check_name(name)?;
     let dir = parent.join(name);
     if dir.exists() {
         bail!("{} already exists", dir.display());
@@ -309,64 +446,23 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
     let file = name.replace('-', "_");
     let (files, component, build) = match lang {
         "rust" => rust_files(name, &file, sdk)?,
-        "js" => {
-            let component = format!("build/{file}.wasm");
-            let build: &'static [&'static str] = &["npm install", "npm run check", "npm run build"];
-            let files = vec![
-                ("package.json", render(JS_PACKAGE, name, &file, "")),
-                ("src/app.js", render(JS_APP, name, &file, "")),
-                ("src/onceq-guest.js", JS_SDK.to_string()),
-                ("src/onceq-guest.d.ts", JS_SDK_TYPES.to_string()),
-                ("tsconfig.json", JS_TSCONFIG.to_string()),
-                (
-                    "README.md",
-                    other_readme(
-                        name,
-                        "JavaScript",
-                        "npm install && npm run check && npm run build",
-                        &component,
-                        "onceq-guest.js",
-                        "`Date.now()` is its logical time, and `Math.random()` and `crypto.getRandomValues()` are seeded from its id.",
-                    ),
-                ),
-            ];
-            (files, component, build)
-        }
-        _ => {
-            let component = format!("build/{file}.wasm");
-            let build: &'static [&'static str] = &["make"];
-            let files = vec![
-                ("Makefile", render(PY_MAKEFILE, name, &file, "")),
-                ("requirements.txt", "componentize-py==0.25.1\n".to_string()),
-                ("src/app.py", render(PY_APP, name, &file, "")),
-                ("src/onceq_guest.py", PY_SDK.to_string()),
-                (
-                    "README.md",
-                    other_readme(
-                        name,
-                        "Python",
-                        "make",
-                        &component,
-                        "onceq_guest.py",
-                        "`msg.now` and `time.time()` are its logical time, and `random`, `os.urandom()` and `uuid.uuid4()` are seeded from its id (the SDK provides them: the component is built with `--stub-wasi`, without WASI clocks or entropy).",
-                    ),
-                ),
-            ];
-            (files, component, build)
-        }
+        "js" => js_files(name, &file),
+        _ => python_files(name, &file),
     };
     let common = [
         ("schema.sql", SCHEMA.to_string()),
         ("onceq.toml", ONCEQ_TOML.replace("{name}", name).replace("{component}", &component)),
         ("message.json", MESSAGE.to_string()),
         (".gitignore", GITIGNORE.to_string()),
+        ("wit/handler.wit", WIT.to_string()),
     ];
-    let wit = if lang == "rust" {
-        None
-    } else {
-        Some(("wit/handler.wit", WIT.to_string()))
-    };
-    for (rel, text) in files.into_iter().chain(common).chain(wit) {
+    let tests = (
+        format!("{file}.test.toml"),
+        TEST_CASES.replace("{name}", name).replace("{component}", &component),
+    );
+    let files = files.into_iter().map(|(p, t)| (p.to_string(), t));
+    let common = common.into_iter().map(|(p, t)| (p.to_string(), t));
+    for (rel, text) in files.chain(common).chain([tests]) {
         let p = dir.join(rel);
         if let Some(d) = p.parent() {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
@@ -384,35 +480,74 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
 type Files = Vec<(&'static str, String)>;
 
 fn rust_files(name: &str, file: &str, sdk: Option<&Path>) -> anyhow::Result<(Files, String, &'static [&'static str])> {
+    let mut files = Vec::new();
     let sdk = match sdk {
-        Some(p) => p.to_path_buf(),
-        None => PathBuf::from(DEFAULT_SDK),
+        // Work on the SDK itself: depend on that crate by path.
+        Some(p) => {
+            let sdk = std::fs::canonicalize(p).with_context(|| format!("--sdk: no guest SDK at {}", p.display()))?;
+            if !sdk.join("Cargo.toml").exists() {
+                bail!("--sdk: {} is not the guest SDK (no Cargo.toml)", sdk.display());
+            }
+            sdk.display().to_string()
+        }
+        // A copy, so the project builds wherever it goes.
+        None => {
+            if !RUST_SDK.contains(RUST_SDK_WIT_PATH) {
+                bail!("this onceq's copy of the Rust SDK does not read its WIT where expected; give the SDK with --sdk");
+            }
+            files.push(("onceq-guest/Cargo.toml", RUST_SDK_CARGO_TOML.to_string()));
+            files.push(("onceq-guest/src/lib.rs", RUST_SDK.replace(RUST_SDK_WIT_PATH, "path: \"../wit\"")));
+            "onceq-guest".to_string()
+        }
     };
-    let sdk =
-        std::fs::canonicalize(&sdk).with_context(|| format!("the guest SDK is not at {} (give its folder with --sdk)", sdk.display()))?;
-    if !sdk.join("Cargo.toml").exists() {
-        bail!("{} is not the guest SDK (no Cargo.toml)", sdk.display());
-    }
-    let sdk = sdk.display().to_string();
-    let files = vec![
+    files.extend([
         ("Cargo.toml", render(CARGO_TOML, name, file, &sdk)),
         (".cargo/config.toml", CARGO_CONFIG.to_string()),
         ("src/lib.rs", render(LIB_RS, name, file, &sdk)),
+        ("tests/handler.rs", render(RUST_TEST, name, file, &sdk)),
         ("README.md", render(README, name, file, &sdk)),
-    ];
+    ]);
     Ok((
         files,
         format!("target/wasm32-wasip2/release/{file}.wasm"),
-        &["cargo build --release"],
+        &["cargo handler", "cargo test"],
     ))
 }
 
-fn other_readme(name: &str, language: &str, build: &str, component: &str, sdk: &str, clock: &str) -> String {
+fn js_files(name: &str, file: &str) -> (Files, String, &'static [&'static str]) {
+    let component = format!("build/{file}.wasm");
+    let files = vec![
+        ("package.json", render(JS_PACKAGE, name, file, "")),
+        ("src/app.js", render(JS_APP, name, file, "")),
+        ("src/onceq-guest.js", JS_SDK.to_string()),
+        ("src/onceq-guest.d.ts", JS_SDK_TYPES.to_string()),
+        ("tsconfig.json", JS_TSCONFIG.to_string()),
+        ("README.md", other_readme(name, file, &component, &JS)),
+    ];
+    (files, component, &["npm install", "npm run check", "npm run build", "npm test"])
+}
+
+fn python_files(name: &str, file: &str) -> (Files, String, &'static [&'static str]) {
+    let component = format!("build/{file}.wasm");
+    let files = vec![
+        ("Makefile", render(PY_MAKEFILE, name, file, "")),
+        ("requirements.txt", "componentize-py==0.25.1\n".to_string()),
+        ("src/app.py", render(PY_APP, name, file, "")),
+        ("src/onceq_guest.py", PY_SDK.to_string()),
+        ("README.md", other_readme(name, file, &component, &PYTHON)),
+    ];
+    (files, component, &["make", "make test"])
+}
+
+fn other_readme(name: &str, file: &str, component: &str, l: &OtherLanguage) -> String {
     README_OTHER
         .replace("{name}", name)
-        .replace("{language}", language)
-        .replace("{build}", build)
+        .replace("{file}", file)
+        .replace("{language}", l.language)
+        .replace("{build}", l.build)
+        .replace("{test}", l.test)
         .replace("{component}", component)
-        .replace("{sdk}", sdk)
-        .replace("{clock}", clock)
+        .replace("{sdk}", l.sdk)
+        .replace("{extra}", l.extra)
+        .replace("{clock}", l.clock)
 }

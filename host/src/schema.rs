@@ -105,7 +105,10 @@ impl TableSchema {
         let mut values: Vec<Option<Value>> = vec![None; self.columns.len()];
         for (name, v) in &w.columns {
             let Some((i, col)) = self.column(name) else {
-                return Err(format!("table {t} has no column {name}"));
+                return Err(format!(
+                    "table {t} has no column {name}{}",
+                    crate::names::did_you_mean(name, self.columns.iter().map(|c| c.name.as_str()))
+                ));
             };
             if values[i].is_some() {
                 return Err(format!("table {t}: column {name} given twice"));
@@ -174,8 +177,78 @@ pub struct Schema {
 
 impl Schema {
     pub fn table(&self, name: &str) -> Result<&TableSchema, String> {
-        self.tables.get(name).ok_or_else(|| format!("unknown table {name}"))
+        self.tables.get(name).ok_or_else(|| {
+            format!(
+                "unknown table {name}{}",
+                crate::names::did_you_mean(name, self.tables.keys().map(String::as_str))
+            )
+        })
     }
+}
+
+/// How the database's business tables differ from the schema files: one
+/// line each, and whether `onceq init` should refuse (a table of the files
+/// lacks a column or has another type or key in the database; init never
+/// alters an existing table). Tables and columns only the database has are
+/// reported but not refused.
+pub fn drift(files: &Schema, database: &Schema) -> (Vec<String>, bool) {
+    let mut lines = Vec::new();
+    let mut refuse = false;
+    for (name, want) in &files.tables {
+        let Some(have) = database.tables.get(name) else {
+            lines.push(format!("table {name} is in the schema files but not in the database"));
+            refuse = true;
+            continue;
+        };
+        for c in &want.columns {
+            match have.column(&c.name) {
+                None => {
+                    refuse = true;
+                    lines.push(format!(
+                        "table {name}: column {} ({}) is in the schema files but not in the database: \
+                         add it with ALTER TABLE {name} ADD COLUMN {} ...",
+                        c.name,
+                        c.ty.name(),
+                        c.name
+                    ));
+                }
+                Some((_, d)) if d.ty != c.ty || d.nullable != c.nullable => {
+                    refuse = true;
+                    let null = |n: bool| if n { "" } else { " NOT NULL" };
+                    lines.push(format!(
+                        "table {name}: column {} is {}{} in the schema files, {}{} in the database",
+                        c.name,
+                        c.ty.name(),
+                        null(c.nullable),
+                        d.ty.name(),
+                        null(d.nullable)
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        let key = |t: &TableSchema| t.key_columns().map(|c| c.name.clone()).collect::<Vec<_>>();
+        if key(want) != key(have) {
+            refuse = true;
+            lines.push(format!(
+                "table {name}: primary key ({}) in the schema files, ({}) in the database",
+                key(want).join(", "),
+                key(have).join(", ")
+            ));
+        }
+        for d in &have.columns {
+            if want.column(&d.name).is_none() {
+                lines.push(format!(
+                    "table {name}: column {} is in the database but not in the schema files",
+                    d.name
+                ));
+            }
+        }
+    }
+    for name in database.tables.keys().filter(|t| !files.tables.contains_key(*t)) {
+        lines.push(format!("table {name} is in the database but in no schema file"));
+    }
+    (lines, refuse)
 }
 
 /// Map a declared SQL column type (SQLite or GoogleSQL spelling) to ours.

@@ -6,9 +6,11 @@
 //! a re-run (abort, unknown commit) can never debit twice or charge twice.
 
 use onceq_guest::{Ctx, Error, Handler, Message, Value};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Deserialize)]
+/// The order as received, and as the charge intent carries it (the SDK
+/// writes its fields in sorted order, as the JavaScript and Python SDKs do).
+#[derive(Deserialize, Serialize)]
 struct Order {
     order_id: String,
     account: String,
@@ -59,7 +61,7 @@ impl Handler for Payments {
         ctx.intent(
             "charge",
             format!("charge-{}", order.order_id),
-            &serde_json::json!({ "order_id": order.order_id, "account": order.account, "amount": order.amount }),
+            &order,
         );
         Ok(())
     }

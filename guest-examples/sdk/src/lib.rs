@@ -296,12 +296,11 @@ impl Ctx {
         self.write(table, WriteOp::Delete, key)
     }
 
-    /// Enqueue a follow-up message (JSON payload) in the same transaction as
+    /// Enqueue a follow-up message (JSON payload, keys sorted: the bytes the
+    /// JavaScript and Python SDKs write) in the same transaction as
     /// the ack. Chain `.delay_ms(..)` / `.dedup_key(..)` on the result.
     pub fn enqueue(&mut self, queue: &str, payload: &impl serde::Serialize) -> FollowUp<'_> {
-        // Serializing plain data structures cannot fail; fall back to `null`.
-        let bytes = serde_json::to_vec(payload).unwrap_or_else(|_| b"null".to_vec());
-        self.enqueue_bytes(queue, bytes)
+        self.enqueue_bytes(queue, json_bytes(payload))
     }
 
     /// Enqueue a follow-up message with a raw payload.
@@ -324,11 +323,10 @@ impl Ctx {
     /// the receiver can drop repeats. Chain `.metadata(..)` on the result
     /// (a webhook sends metadata as HTTP headers).
     pub fn intent(&mut self, connector: &str, key: impl Into<String>, payload: &impl serde::Serialize) -> IntentBuilder<'_> {
-        let bytes = serde_json::to_vec(payload).unwrap_or_else(|_| b"null".to_vec());
         self.effects.push(Effect::Intent(wit::ExternalIntent {
             connector: connector.to_string(),
             idempotency_key: key.into(),
-            payload: bytes,
+            payload: json_bytes(payload),
             metadata: Vec::new(),
         }));
         let index = self.effects.len() - 1;
@@ -401,4 +399,14 @@ macro_rules! export_handler {
 
         $crate::bindings::export!(__OnceqExport with_types_in $crate::bindings);
     };
+}
+
+/// A payload as JSON with object keys sorted at every level (through
+/// `serde_json::Value`, whose maps are ordered), so a struct's field order
+/// does not change the bytes: the JavaScript and Python SDKs sort too.
+/// Serializing plain data cannot fail; `null` stands in if it does.
+fn json_bytes(payload: &impl serde::Serialize) -> Vec<u8> {
+    serde_json::to_value(payload)
+        .and_then(|v| serde_json::to_vec(&v))
+        .unwrap_or_else(|_| b"null".to_vec())
 }

@@ -68,6 +68,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A queue's messages, oldest first: state, attempts, payload,
+    /// attributes and the last failure.
+    Peek {
+        queue: String,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Inspect and replay dead letters.
     Dlq {
         #[command(subcommand)]
@@ -111,15 +120,49 @@ enum Command {
     /// effects, and commit nothing.
     Try {
         component: PathBuf,
-        /// File holding the message payload.
+        /// File holding the message payload ("-" for stdin).
         #[arg(long)]
         message: PathBuf,
-        /// Queue whose grants apply (default: all tables granted).
-        #[arg(long, default_value = "try")]
-        queue: String,
+        /// Queue whose grants and limits apply (default: the config's only
+        /// queue; with several, every table granted and no enqueue or
+        /// intent targets).
+        #[arg(long)]
+        queue: Option<String>,
         /// Message id (fixes the handler's random seed).
         #[arg(long)]
         id: Option<String>,
+    },
+    /// Run a handler's test cases (`*.test.toml`: fixture rows, a message,
+    /// the expected outcome and effects) against its built component, with
+    /// the verdicts of a real run; no database needed.
+    Test {
+        /// Test files (default: every `*.test.toml` next to the config and
+        /// in its `tests/` folder).
+        files: Vec<PathBuf>,
+        /// Only the cases whose name contains this.
+        #[arg(long)]
+        filter: Option<String>,
+        /// Print the results as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The author's loop: watch the project, rebuild with its own build
+    /// command on a change, load and test the component (`onceq test`),
+    /// and hot-swap it into the running local host when the tests pass.
+    Dev {
+        /// The build command (default: cargo, npm run build or make, from
+        /// the project's files).
+        #[arg(long)]
+        build: Option<String>,
+        /// How often files are checked for changes.
+        #[arg(long, default_value = "500ms")]
+        poll: String,
+        /// One round (build, test, deploy), then exit with its verdict.
+        #[arg(long)]
+        once: bool,
+        /// Build and test only; never deploy.
+        #[arg(long)]
+        no_deploy: bool,
     },
     /// Write a new handler project, ready to build, check and run.
     New {
@@ -130,7 +173,8 @@ enum Command {
         /// Where to create it.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
-        /// The Rust guest SDK's folder (default: the one next to this onceq).
+        /// Rust: depend on this guest SDK crate by path (default: a copy of
+        /// the SDK in the project, so it builds wherever it goes).
         #[arg(long)]
         sdk: Option<PathBuf>,
     },
@@ -195,9 +239,10 @@ fn init_tracing(format: LogFormat, default: &str) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The demo prints its own summary; per-message logs would drown it.
+    // The demo prints its own summary; per-message logs would drown it
+    // (its poison messages and injected faults are counted there).
     let default_filter = if matches!(cli.command, Command::Demo(_)) {
-        "warn"
+        "warn,onceq::protocol=error"
     } else {
         "onceq=info,warn"
     };
@@ -238,6 +283,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run { until_empty } => run(&cfg()?, until_empty).await,
         Command::Stats { json } => stats(&cfg()?, json).await,
         Command::Dlq { command } => dlq(&cfg()?, command).await,
+        Command::Peek { queue, limit, json } => peek(&cfg()?, &queue, limit, json).await,
         Command::Deploy {
             queue,
             component,
@@ -253,7 +299,63 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             queue,
             id,
         } => try_message(&cfg()?, component, message, queue, id).await,
+        Command::Test { files, filter, json } => test(&cfg()?, &path, files, filter, json).await,
+        Command::Dev {
+            build,
+            poll,
+            once,
+            no_deploy,
+        } => {
+            let opts = onceq::dev::DevOptions {
+                build,
+                poll: parse_duration("--poll", &poll)?,
+                once,
+                deploy: !no_deploy,
+            };
+            dev(&cfg()?, &path, opts).await
+        }
     }
+}
+
+/// The folder of the config file: the project.
+fn project_of(config: &std::path::Path) -> &std::path::Path {
+    config
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+}
+
+/// `onceq dev`.
+async fn dev(cfg: &Config, config: &std::path::Path, opts: onceq::dev::DevOptions) -> anyhow::Result<ExitCode> {
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let r = onceq::dev::run(cfg, project_of(config), opts, shutdown).await?;
+    Ok(if r.ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `onceq test`.
+async fn test(cfg: &Config, config: &std::path::Path, files: Vec<PathBuf>, filter: Option<String>, json: bool) -> anyhow::Result<ExitCode> {
+    let files = if files.is_empty() {
+        let found = onceq::testcases::discover(project_of(config));
+        if found.is_empty() {
+            anyhow::bail!(
+                "no test files: write NAME.test.toml next to {} or in tests/ (see the README, \"Testing a handler\")",
+                config.display()
+            );
+        }
+        found
+    } else {
+        files
+    };
+    let results = onceq::testcases::run(cfg, &files, filter.as_deref(), &|m| eprintln!("{m}")).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print!("{}", onceq::testcases::render(&results));
+    }
+    let failed: usize = results.iter().map(|f| f.failed()).sum();
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// `onceq new`.
@@ -287,6 +389,16 @@ fn check(component: &std::path::Path) -> anyhow::Result<ExitCode> {
     }
     Ok(match verdict {
         Ok(()) => {
+            if !info.imports.iter().any(|i| i.starts_with("wasi:")) {
+                println!(
+                    "note: it imports no WASI at all, so it was built with stubbed capabilities (componentize-py \
+                     --stub-wasi does this): a call to open(), a socket or urllib traps at run time"
+                );
+            }
+            println!(
+                "note: the sandbox offers no network and no files (JavaScript's fetch(), Python's open() or urllib \
+                 trap when called): read rows with ctx.get/scan, and reach other systems with intents"
+            );
             println!("ok: fits the onceq:handler world");
             ExitCode::SUCCESS
         }
@@ -300,6 +412,18 @@ fn check(component: &std::path::Path) -> anyhow::Result<ExitCode> {
 /// `onceq init`.
 async fn init(cfg: &Config) -> anyhow::Result<ExitCode> {
     let store = app::init(cfg).await?;
+    // `CREATE TABLE IF NOT EXISTS` keeps an existing table as it is: say
+    // where the database and the schema files part ways.
+    let (drift, refuse) = app::schema_drift(cfg, store.as_ref())?;
+    if refuse {
+        anyhow::bail!(
+            "the database's tables differ from the schema files (onceq init creates missing tables but never alters one):\n  {}",
+            drift.join("\n  ")
+        );
+    }
+    for line in &drift {
+        eprintln!("note: {line}");
+    }
     let tables: Vec<String> = store.schema().tables.keys().cloned().collect();
     println!(
         "initialized {} (business tables: {})",
@@ -356,7 +480,8 @@ async fn send(
     }
     if cfg.queue(&queue).is_err() {
         eprintln!(
-            "warning: no [[queue]] named {queue} in {}: nothing here will process these messages (queues: {})",
+            "warning: no [[queue]] named {queue}{} in {}: nothing here will process these messages (queues: {})",
+            onceq::names::did_you_mean(&queue, cfg.queues.iter().map(|q| q.name.as_str())),
             config_path.display(),
             cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
         );
@@ -489,9 +614,10 @@ async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
                     // Queue and reason may come from a handler or a
                     // producer: escaped, so they cannot drive the terminal.
                     println!(
-                        "{}  {:<16} attempts={}  {}",
+                        "{}  {:<16} {}  attempts={}  {}",
                         d.id,
                         printable(&d.queue),
+                        onceq::names::time(d.failed_at),
                         d.attempts,
                         printable(&d.reason)
                     );
@@ -502,13 +628,78 @@ async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
             }
         }
         DlqCommand::Show { id } => match store.dead_letter_get(&id).await? {
-            Some(d) => println!("{}", serde_json::to_string_pretty(&d)?),
+            Some(d) => {
+                // Times for people next to the stored microseconds.
+                let mut v = serde_json::to_value(&d)?;
+                v["enqueued"] = onceq::names::time(d.enqueued_at).into();
+                v["failed"] = onceq::names::time(d.failed_at).into();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
             None => anyhow::bail!("no dead letter with id {id}"),
         },
         DlqCommand::Replay { id } => match store.dead_letter_replay(&id).await? {
             Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
             None => anyhow::bail!("no dead letter with id {id}"),
         },
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq peek`.
+async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Result<ExitCode> {
+    let store = app::open_store(cfg).await?;
+    let list = store.message_list(onceq::store::Queues::Named(queue), limit).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if list.is_empty() {
+        let hint = if cfg.queue(queue).is_err() {
+            format!(
+                " (no [[queue]] named {queue}{} in the config)",
+                onceq::names::did_you_mean(queue, cfg.queues.iter().map(|q| q.name.as_str()))
+            )
+        } else {
+            String::new()
+        };
+        println!("no messages on {}{hint}", printable(queue));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0);
+    for m in &list {
+        let state = if m.leased {
+            "leased".to_string()
+        } else if m.visible_at > now {
+            format!("delayed until {}", onceq::names::time(m.visible_at))
+        } else {
+            "ready".to_string()
+        };
+        // Payloads, attributes and reasons come from producers and
+        // handlers: escaped, so they cannot drive the terminal.
+        println!(
+            "{}  {state}  attempts={}  sent {}",
+            m.id,
+            m.attempt,
+            onceq::names::time(m.enqueued_at)
+        );
+        println!("    payload: {}", onceq::names::truncated(&printable(&m.payload_text), 300));
+        if !m.attributes.is_empty() {
+            let attrs: Vec<String> = m
+                .attributes
+                .iter()
+                .map(|(k, v)| format!("{}={}", printable(k), printable(v)))
+                .collect();
+            println!("    attributes: {}", attrs.join(" "));
+        }
+        if let Some(e) = &m.last_error {
+            println!("    last failure: {}", printable(e));
+        }
+    }
+    if list.len() == limit {
+        println!("(first {limit}; --limit N for more)");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -616,8 +807,25 @@ async fn outbox(cfg: &Config, command: OutboxCommand) -> anyhow::Result<ExitCode
 }
 
 /// `onceq try`.
-async fn try_message(cfg: &Config, component: PathBuf, message: PathBuf, queue: String, id: Option<String>) -> anyhow::Result<ExitCode> {
-    let payload = std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?;
+async fn try_message(
+    cfg: &Config,
+    component: PathBuf,
+    message: PathBuf,
+    queue: Option<String>,
+    id: Option<String>,
+) -> anyhow::Result<ExitCode> {
+    let payload = if message.as_os_str() == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin().read_to_end(&mut buf).context("reading the message from stdin")?;
+        buf
+    } else {
+        std::fs::read(&message).with_context(|| format!("reading {}", message.display()))?
+    };
+    let queue = match (queue, cfg.queues.as_slice()) {
+        (Some(q), _) => q,
+        (None, [only]) => only.name.clone(),
+        (None, _) => "try".to_string(),
+    };
     let report = app::try_message(cfg, &component, &queue, payload, id).await?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     if report.outcome != "ok" {

@@ -56,7 +56,7 @@ impl QueueRunner {
             Outcome::DeadLettered(reason) => {
                 m.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 m.record_version(&version, |c| c.dead_lettered += 1);
-                info!(parent: &span, "dead-lettered: {reason}");
+                warn!(parent: &span, "dead-lettered: {reason}");
             }
             Outcome::LeaseLost => {
                 m.lease_lost.fetch_add(1, Ordering::Relaxed);
@@ -181,6 +181,9 @@ impl QueueRunner {
         let step = match self.spec.policy.after_failure(&failure, attempt, self.spec.limits.max_delay) {
             Next::RetryAfter(d) => Step::Retry(d, crate::names::reason(&failure.to_string())),
             Next::DeadLetter if matches!(failure, HandlerFailure::Reject(_)) => Step::Dead(crate::names::reason(&failure.to_string())),
+            Next::DeadLetter if attempt < self.spec.policy.max_attempts => Step::Dead(crate::names::reason(&format!(
+                "{failure} (not retried: every attempt would fail the same way)"
+            ))),
             Next::DeadLetter => Step::Dead(crate::names::reason(&format!(
                 "{failure} (gave up after {attempt} attempt{})",
                 if attempt == 1 { "" } else { "s" }
@@ -206,7 +209,7 @@ impl QueueRunner {
                 Ok(()) => {
                     return match step {
                         Step::Retry(d, reason) => {
-                            info!("attempt {attempt} failed, next in {d:?}: {reason}");
+                            warn!("attempt {attempt} failed, next in {d:?}: {reason}");
                             Outcome::RetryLater(reason)
                         }
                         Step::Dead(reason) => Outcome::DeadLettered(reason),

@@ -248,6 +248,13 @@ impl Context<'_> {
 
     fn write(&self, w: &crate::value::RowWrite) -> Result<ValidWrite, EffectProblem> {
         if !self.grants.tables.contains(&w.table) {
+            if !self.schema.tables.contains_key(&w.table) {
+                return Err(EffectProblem::Schema(format!(
+                    "unknown table {}{}",
+                    w.table,
+                    crate::names::did_you_mean(&w.table, self.grants.tables.iter().map(String::as_str))
+                )));
+            }
             return Err(EffectProblem::TableNotGranted {
                 table: w.table.clone(),
                 queue: self.msg.queue.clone(),

@@ -65,6 +65,18 @@ pub enum ReadError {
     TooManyBytes { limit: usize },
 }
 
+impl ReadError {
+    /// The same message would be refused the same way on every attempt
+    /// (not granted, no such table, a malformed key); the limits depend on
+    /// the data read.
+    pub fn is_deterministic(&self) -> bool {
+        matches!(
+            self,
+            ReadError::NotGranted { .. } | ReadError::UnknownTable { .. } | ReadError::BadKey { .. }
+        )
+    }
+}
+
 /// What a handler call returns: the read scope (handed back so the protocol
 /// can commit its transaction) and the effects or the failure.
 pub struct HandleOutput {
@@ -172,6 +184,18 @@ impl ReadScope {
 
     fn check(&mut self, table: &str, key: &[Value], prefix: bool) -> Result<crate::schema::TableSchema, String> {
         if !self.tables.contains(table) {
+            // A table that does not exist is a typo, not a missing grant:
+            // say so, suggesting among the tables this queue may read.
+            if !self.schema.tables.contains_key(table) {
+                let message = format!(
+                    "unknown table {table}{}",
+                    crate::names::did_you_mean(table, self.tables.iter().map(String::as_str))
+                );
+                return Err(self.refuse(ReadError::UnknownTable {
+                    table: table.to_string(),
+                    message,
+                }));
+            }
             return Err(self.refuse(ReadError::NotGranted { table: table.to_string() }));
         }
         let schema = self.schema.clone();

@@ -13,7 +13,9 @@
 //!   asked, trapped, returned a bad effect, or the store refused a write).
 //!   The message becomes visible again after [`Policy::backoff`] (or the
 //!   handler's own delay, capped by `max_delay`), until `max_attempts`,
-//!   then it is dead-lettered.
+//!   then it is dead-lettered. Failures a re-run cannot change (a reject,
+//!   an invalid effect, a read of a table that is not granted or does not
+//!   exist, a malformed key) are dead-lettered at once.
 
 use super::{HandlerFailure, Policy};
 use crate::store::StoreError;
@@ -59,14 +61,15 @@ impl Policy {
     /// attempt `attempt`. A handler's own delay is capped at `max_delay`.
     pub fn after_failure(&self, failure: &HandlerFailure, attempt: u32, max_delay: Duration) -> Next {
         match failure {
-            HandlerFailure::Reject(_) => Next::DeadLetter,
+            // Deterministic: the same message gives the same effects and
+            // the same reads, so another attempt would fail the same way.
+            HandlerFailure::Reject(_) | HandlerFailure::Effect(_) => Next::DeadLetter,
+            HandlerFailure::Read(e) if e.is_deterministic() => Next::DeadLetter,
             _ if attempt >= self.max_attempts => Next::DeadLetter,
             HandlerFailure::Retry { delay: Some(d), .. } => Next::RetryAfter((*d).min(max_delay)),
-            HandlerFailure::Retry { delay: None, .. }
-            | HandlerFailure::Failed(_)
-            | HandlerFailure::Read(_)
-            | HandlerFailure::Effect(_)
-            | HandlerFailure::Store(_) => Next::RetryAfter(self.backoff(attempt)),
+            HandlerFailure::Retry { delay: None, .. } | HandlerFailure::Failed(_) | HandlerFailure::Read(_) | HandlerFailure::Store(_) => {
+                Next::RetryAfter(self.backoff(attempt))
+            }
         }
     }
 }
@@ -155,6 +158,17 @@ mod tests {
         assert!(matches!(p.after_failure(&failed, 1, year), Next::RetryAfter(_)));
         assert_eq!(p.after_failure(&failed, 5, year), Next::DeadLetter);
         assert_eq!(p.after_failure(&HandlerFailure::Reject("no".into()), 1, year), Next::DeadLetter);
+        // Deterministic failures: dead-lettered at once; a read over the
+        // limit depends on the data, so it is retried.
+        let bad = crate::protocol::effects::EffectError::TooMany { count: 9, limit: 1 };
+        assert_eq!(p.after_failure(&HandlerFailure::Effect(bad), 1, year), Next::DeadLetter);
+        let typo = crate::protocol::ReadError::UnknownTable {
+            table: "user".into(),
+            message: "unknown table user".into(),
+        };
+        assert_eq!(p.after_failure(&HandlerFailure::Read(typo), 1, year), Next::DeadLetter);
+        let many = crate::protocol::ReadError::TooManyReads { limit: 10 };
+        assert!(matches!(p.after_failure(&HandlerFailure::Read(many), 1, year), Next::RetryAfter(_)));
         let asked = HandlerFailure::Retry {
             reason: "later".into(),
             delay: Some(Duration::from_secs(42)),

@@ -594,11 +594,31 @@ fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
     for line in text.lines().filter(|l| !l.is_empty()) {
         tracing::info!(target: "onceq::guest", stream = "stderr", "{}", crate::names::printable(line));
     }
-    text.lines()
-        .rev()
-        .find(|l| !l.trim().is_empty() && !l.starts_with("note:"))
-        .map(|l| crate::names::truncated(l.trim(), 1024))
+    guest_complaint(&text).map(|l| crate::names::truncated(&l, 1024))
 }
+
+/// What a guest said last on stderr before failing: a Rust panic as
+/// "MESSAGE, at FILE:LINE:COL", else its last line.
+fn guest_complaint(stderr: &str) -> Option<String> {
+    let lines: Vec<&str> = stderr.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let last = lines.iter().rposition(|l| !l.starts_with("note:"))?;
+    // "thread '<unnamed>' panicked at src/lib.rs:52:23:" then the message.
+    let panic = lines[..=last].iter().rposition(|l| l.contains(" panicked at ") && l.ends_with(':'));
+    if let Some(at) = panic {
+        let location = lines[at].split(" panicked at ").nth(1).unwrap_or("").trim_end_matches(':');
+        let message = lines[at + 1..=last].join(" ");
+        if !message.is_empty() {
+            return Some(format!("{message}, at {location}"));
+        }
+    }
+    Some(lines[last].to_string())
+}
+
+/// Said after a trap the guest explained nowhere: how a JavaScript or
+/// Python component ends when it calls what the sandbox does not offer.
+const UNEXPLAINED_TRAP: &str = "a component built with stubbed capabilities (JavaScript, or Python with --stub-wasi) \
+ends this way when it calls what the sandbox does not offer, such as fetch(), a socket or open(): \
+read rows through ctx.get/scan and reach other systems with an intent, delivered through the outbox";
 
 #[async_trait]
 impl Handler for WasmHandler {
@@ -641,8 +661,12 @@ impl Handler for WasmHandler {
                 } else {
                     format!("{e:#}")
                 };
-                if let Some(line) = last_stderr {
-                    reason.push_str(&format!(" (guest stderr: {line})"));
+                match last_stderr {
+                    Some(line) => reason.push_str(&format!(" (guest stderr: {line})")),
+                    None if matches!(e.downcast_ref::<wasmtime::Trap>(), Some(wasmtime::Trap::UnreachableCodeReached)) => {
+                        reason.push_str(&format!(" ({UNEXPLAINED_TRAP})"))
+                    }
+                    None => {}
                 }
                 Err(HandlerFailure::Failed(reason))
             }
@@ -651,5 +675,23 @@ impl Handler for WasmHandler {
             scope: state.scope,
             result,
         }
+    }
+}
+
+#[cfg(test)]
+mod complaint_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::guest_complaint;
+
+    #[test]
+    fn a_rust_panic_is_named_with_its_location() {
+        let stderr = "\nthread '<unnamed>' panicked at src/lib.rs:52:23:\nchaos: asked to trap\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n";
+        assert_eq!(guest_complaint(stderr).unwrap(), "chaos: asked to trap, at src/lib.rs:52:23");
+        assert_eq!(
+            guest_complaint("first\nUncaught TypeError: x is null\n").unwrap(),
+            "Uncaught TypeError: x is null"
+        );
+        assert_eq!(guest_complaint("note: only a note\n"), None);
+        assert_eq!(guest_complaint(""), None);
     }
 }

@@ -26,6 +26,7 @@ use std::time::Duration;
 pub mod commit;
 pub mod faulty;
 pub mod memory;
+#[cfg(feature = "spanner")]
 pub mod spanner;
 pub mod sqlite;
 
@@ -387,6 +388,7 @@ impl StoreUrl {
         if let Some(path) = url.strip_prefix("sqlite://") {
             Ok(StoreUrl::Sqlite(path.into()))
         } else if let Some(db) = url.strip_prefix("spanner://") {
+            #[cfg(feature = "spanner")]
             spanner::parse_database(db)?;
             Ok(StoreUrl::Spanner(db.to_string()))
         } else if url.contains("://") {
@@ -401,15 +403,30 @@ impl StoreUrl {
 pub async fn open(url: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match StoreUrl::parse(url)? {
         StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::open(&path, options)?),
-        StoreUrl::Spanner(db) => Arc::new(spanner::SpannerStore::open(&options.spanner(&db), options).await?),
+        StoreUrl::Spanner(db) => spanner_open(&db, None, options).await?,
     })
+}
+
+#[cfg(feature = "spanner")]
+async fn spanner_open(db: &str, init_ddl: Option<&str>, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match init_ddl {
+        None => Arc::new(spanner::SpannerStore::open(&options.spanner(db), options).await?),
+        Some(ddl) => Arc::new(spanner::SpannerStore::init(&options.spanner(db), ddl, options).await?),
+    })
+}
+
+/// Built without the `spanner` feature (the handler test kit's light
+/// build): only SQLite.
+#[cfg(not(feature = "spanner"))]
+async fn spanner_open(db: &str, _init_ddl: Option<&str>, _options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
+    anyhow::bail!("spanner://{db}: this onceq was built without the `spanner` feature")
 }
 
 /// Create a store (`onceq init`): onceq's tables plus the business DDL.
 pub async fn init(url: &str, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match StoreUrl::parse(url)? {
         StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::init(&path, business_ddl, options)?),
-        StoreUrl::Spanner(db) => Arc::new(spanner::SpannerStore::init(&options.spanner(&db), business_ddl, options).await?),
+        StoreUrl::Spanner(db) => spanner_open(&db, Some(business_ddl), options).await?,
     })
 }
 
@@ -435,6 +452,7 @@ pub struct StoreOptions {
 }
 
 impl StoreOptions {
+    #[cfg(feature = "spanner")]
     fn spanner(&self, database: &str) -> spanner::SpannerOptions {
         spanner::SpannerOptions {
             database: database.to_string(),

@@ -393,7 +393,7 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
         "off" => "OFF",
         other => anyhow::bail!("sqlite synchronous must be full, normal or off, got {other:?}"),
     };
-    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.busy_handler(Some(busy_wait))?;
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
         anyhow::bail!("could not switch the database to WAL mode (got {mode})");
@@ -403,6 +403,20 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
     ))?;
     conn.set_prepared_statement_cache_capacity(256);
     Ok(())
+}
+
+/// Waiting for another process's write lock (several hosts on one file).
+/// SQLite's own busy handler sleeps 1, 2, 5... up to 100 ms between tries,
+/// so the lock sits free while the next writer sleeps; this one tries again
+/// after 50 µs, doubling to 1 ms, and gives up after about 10 s (the store
+/// then reports the database as unavailable and the attempt is re-run).
+fn busy_wait(count: i32) -> bool {
+    if count > 10_000 {
+        return false;
+    }
+    let pause = Duration::from_micros(50u64 << count.clamp(0, 5)).min(Duration::from_millis(1));
+    std::thread::sleep(pause);
+    true
 }
 
 /// Read the business tables (every table not named `onceq_*`).
@@ -471,18 +485,25 @@ impl SqliteStore {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
         configure(&conn, options)?;
-        conn.execute_batch(SYSTEM_DDL).context("creating onceq tables")?;
-        conn.execute_batch(business_ddl).context("applying the schema file")?;
+        // One transaction (SQLite's DDL is transactional): a schema file
+        // that fails half-way leaves no table behind.
+        let tx = conn.transaction().context("starting the init transaction")?;
+        tx.execute_batch(SYSTEM_DDL).context("creating onceq tables")?;
+        tx.execute_batch(business_ddl)
+            .context("applying the schema file(s); nothing was changed")?;
         // Repair times that overflowed to REAL before delays were bounded
         // (a `u64::MAX` ms delay): they made stats and readiness fail.
         let far = micros(MAX_SCHEDULE);
-        conn.execute_batch(&format!(
+        tx.execute_batch(&format!(
             "UPDATE onceq_messages SET visible_at = {NOW} + {far} WHERE typeof(visible_at) <> 'integer';
              UPDATE onceq_dedup SET expires_at = {NOW} + {far} WHERE typeof(expires_at) <> 'integer';"
         ))
         .context("repairing overflowed times")?;
+        // Types onceq cannot map are refused before anything is kept.
+        load_schema(&tx).context("reading the new schema; nothing was changed")?;
+        tx.commit().context("committing the init transaction")?;
         drop(conn);
         Self::open(path, options)
     }

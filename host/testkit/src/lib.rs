@@ -87,13 +87,20 @@ impl TestKit {
         })
     }
 
-    /// Queues the handler may enqueue follow-ups on (its own always).
-    pub fn queues(mut self, queues: &[&str]) -> Self {
+    /// Queues the handler may enqueue follow-ups on (its own always): the
+    /// queue's `enqueue` in `onceq.toml`.
+    pub fn enqueue(mut self, queues: &[&str]) -> Self {
         self.queues = queues.iter().map(|s| s.to_string()).collect();
         self
     }
 
-    /// Connectors the handler may emit intents for.
+    #[deprecated(note = "use `enqueue`, the name onceq.toml uses")]
+    pub fn queues(self, queues: &[&str]) -> Self {
+        self.enqueue(queues)
+    }
+
+    /// Connectors the handler may emit intents for: the queue's
+    /// `connectors` in `onceq.toml`.
     pub fn connectors(mut self, connectors: &[&str]) -> Self {
         self.connectors = connectors.iter().map(|s| s.to_string()).collect();
         self
