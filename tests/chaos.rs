@@ -115,40 +115,6 @@ fn run_with_kills(dir: &Path, hosts: usize, seconds: u64, bound: Duration) -> Re
     }
 }
 
-fn config(store: &str, handler: &Path, lease: &str) -> String {
-    format!(
-        r#"store = "{store}"
-
-[defaults]
-lease = "{lease}"
-backoff_initial = "20ms"
-backoff_max = "500ms"
-max_attempts = 50
-
-[[queue]]
-name = "payments"
-handler = "{}"
-tables = ["accounts", "orders"]
-connectors = ["charge"]
-workers = 2
-batch = 8
-
-[[connector]]
-name = "charge"
-kind = "file"
-path = "charges.jsonl"
-
-[outbox]
-workers = 1
-backoff_initial = "20ms"
-
-[admin]
-listen = "127.0.0.1:0"
-"#,
-        handler.display()
-    )
-}
-
 /// The audit's reading of the delivered charges: key -> deliveries. A line
 /// torn by a SIGKILL mid-write is skipped (its intent was not acked, so it
 /// is delivered again) and counted.
@@ -186,7 +152,10 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     drop(store);
     std::fs::write(
         dir.path().join("onceq.toml"),
-        config(&format!("sqlite://{}", db.display()), &guest("payments"), "2s"),
+        payments_hosts_config(
+            &format!("store = \"sqlite://{}\"", db.display()),
+            "lease = \"2s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"\nmax_attempts = 50",
+        ),
     )
     .unwrap();
 

@@ -234,41 +234,9 @@ async fn spanner_three_hosts_drain_one_queue_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("onceq.toml"),
-        format!(
-            r#"store = "spanner://{database}"
-
-[spanner]
-shards = 8
-clients = 4
-
-[defaults]
-lease = "5s"
-backoff_initial = "20ms"
-backoff_max = "200ms"
-max_attempts = 20
-
-[[queue]]
-name = "payments"
-handler = "{}"
-tables = ["accounts", "orders"]
-connectors = ["charge"]
-workers = 2
-batch = 8
-
-# The three hosts also deliver the charge intents, to one file.
-[[connector]]
-name = "charge"
-kind = "file"
-path = "charges.jsonl"
-
-[outbox]
-workers = 1
-backoff_initial = "20ms"
-
-[admin]
-listen = "127.0.0.1:0"
-"#,
-            guest("payments").display()
+        payments_hosts_config(
+            &format!("store = \"spanner://{database}\"\n\n[spanner]\nshards = 8\nclients = 4"),
+            "lease = \"5s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"200ms\"\nmax_attempts = 20",
         ),
     )
     .unwrap();

@@ -58,7 +58,7 @@ fn warn_unserved_targets(cfg: &Config) {
                 queue = %q.name,
                 "queue {} may enqueue on {t}{}, which no [[queue]] of this config serves: its messages wait until a host serves it",
                 q.name,
-                crate::names::did_you_mean(t, cfg.queues.iter().map(|q| q.name.as_str()))
+                crate::names::did_you_mean(t, cfg.queue_names())
             );
         }
     }

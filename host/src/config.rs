@@ -628,12 +628,20 @@ impl Config {
     }
 
     pub fn queue(&self, name: &str) -> anyhow::Result<&QueueConfig> {
-        self.queues.iter().find(|q| q.name == name).with_context(|| {
-            format!(
-                "no queue named {name} in the config (queues: {})",
-                self.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
-            )
-        })
+        self.queues
+            .iter()
+            .find(|q| q.name == name)
+            .with_context(|| format!("no queue named {name} in the config (queues: {})", self.queue_list()))
+    }
+
+    /// The configured queues' names, in file order.
+    pub fn queue_names(&self) -> impl Iterator<Item = &str> {
+        self.queues.iter().map(|q| q.name.as_str())
+    }
+
+    /// The configured queues' names, comma-separated, for messages.
+    pub fn queue_list(&self) -> String {
+        self.queue_names().collect::<Vec<_>>().join(", ")
     }
 
     /// The concatenated schema files.

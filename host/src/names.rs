@@ -185,10 +185,11 @@ pub fn quoted(name: &str, max: usize) -> String {
     format!("\"{}{more}\"", printable(&shown))
 }
 
-/// Microseconds since the Unix epoch as RFC 3339 UTC text, for people.
+/// Microseconds since the Unix epoch as RFC 3339 UTC text, for people
+/// (to the microsecond: a handler's timestamps are in microseconds).
 pub fn time(us: i64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_micros(us.max(0) as u64);
-    humantime::format_rfc3339_millis(t).to_string()
+    humantime::format_rfc3339_micros(t).to_string()
 }
 
 /// `" (did you mean X?)"` when one of `known` is close to `name` (a typo,

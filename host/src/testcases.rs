@@ -224,14 +224,13 @@ pub fn schema(cfg: &Config) -> anyhow::Result<Schema> {
 
 /// The queue a file tests: its own `queue`, or the config's only queue.
 pub fn queue_of<'a>(cfg: &'a Config, file: &CaseFile, path: &Path) -> anyhow::Result<&'a QueueConfig> {
-    let names = || cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ");
     match &file.queue {
         Some(name) => cfg.queue(name).map_err(|_| {
             anyhow::anyhow!(
                 "{}: queue = {name:?} is not a [[queue]] of the config{} (queues: {})",
                 path.display(),
-                crate::names::did_you_mean(name, cfg.queues.iter().map(|q| q.name.as_str())),
-                names()
+                crate::names::did_you_mean(name, cfg.queue_names()),
+                cfg.queue_list()
             )
         }),
         None => match cfg.queues.as_slice() {
@@ -240,7 +239,7 @@ pub fn queue_of<'a>(cfg: &'a Config, file: &CaseFile, path: &Path) -> anyhow::Re
             _ => bail!(
                 "{}: say which queue it tests (queue = \"...\"; queues: {})",
                 path.display(),
-                names()
+                cfg.queue_list()
             ),
         },
     }
@@ -546,10 +545,7 @@ fn describe_intent(m: &IntentMatch) -> String {
 
 fn show_value(v: &Value) -> String {
     match v {
-        Value::Timestamp(us) => {
-            let t = UNIX_EPOCH + Duration::from_micros((*us).max(0) as u64);
-            humantime::format_rfc3339_micros(t).to_string()
-        }
+        Value::Timestamp(us) => crate::names::time(*us),
         Value::Json(j) => j.clone(),
         other => other.to_string(),
     }

@@ -263,6 +263,42 @@ pub async fn seed_accounts(store: &dyn Store, n: usize, balance: i64) {
     tx.commit().await.unwrap();
 }
 
+/// `onceq.toml` for `onceq run` hosts serving the payments example (two
+/// workers in batches of 8; charge intents delivered to `charges.jsonl`; an
+/// admin API on a free port). `head` is the store and its sections,
+/// `defaults` the body of `[defaults]`.
+pub fn payments_hosts_config(head: &str, defaults: &str) -> String {
+    format!(
+        r#"{head}
+
+[defaults]
+{defaults}
+
+[[queue]]
+name = "payments"
+handler = "{}"
+tables = ["accounts", "orders"]
+connectors = ["charge"]
+workers = 2
+batch = 8
+
+# Every host also delivers the charge intents, to one file.
+[[connector]]
+name = "charge"
+kind = "file"
+path = "charges.jsonl"
+
+[outbox]
+workers = 1
+backoff_initial = "20ms"
+
+[admin]
+listen = "127.0.0.1:0"
+"#,
+        guest("payments").display()
+    )
+}
+
 pub fn order(id: usize, account: usize, amount: i64) -> String {
     serde_json::json!({ "order_id": format!("o-{id}"), "account": format!("acct-{account}"), "amount": amount }).to_string()
 }

@@ -481,9 +481,9 @@ async fn send(
     if cfg.queue(&queue).is_err() {
         eprintln!(
             "warning: no [[queue]] named {queue}{} in {}: nothing here will process these messages (queues: {})",
-            onceq::names::did_you_mean(&queue, cfg.queues.iter().map(|q| q.name.as_str())),
+            onceq::names::did_you_mean(&queue, cfg.queue_names()),
             config_path.display(),
-            cfg.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
+            cfg.queue_list()
         );
     }
     let store = app::open_store(cfg).await?;
@@ -657,7 +657,7 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
         let hint = if cfg.queue(queue).is_err() {
             format!(
                 " (no [[queue]] named {queue}{} in the config)",
-                onceq::names::did_you_mean(queue, cfg.queues.iter().map(|q| q.name.as_str()))
+                onceq::names::did_you_mean(queue, cfg.queue_names())
             )
         } else {
             String::new()
