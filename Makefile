@@ -10,6 +10,9 @@ PYTHON       ?= python3
 PY_TOOLS     := tools/python
 COMPONENTIZE_PY_VERSION := 0.25.1
 COMPONENTIZE_PY := $(PY_TOOLS)/bin/componentize-py
+# The type checker scaffolded Python projects pin (tests/cli.rs runs it).
+MYPY_VERSION := 1.18.2
+MYPY         := $(PY_TOOLS)/bin/mypy
 PY_OUT       := $(GUEST_DIR)/target/python
 PY_GUESTS    := payments inventory fixtures/sdk
 NPM          ?= npm
@@ -36,8 +39,9 @@ guests: tools
 	@if command -v $(NPM) >/dev/null 2>&1; then $(MAKE) --no-print-directory guests-js; \
 	 else echo "npm not found: skipping the JavaScript guests"; fi
 
-## guests-python: componentize-py (pinned, in tools/python) builds the Python examples
-guests-python: $(PY_GUESTS:%=$(PY_OUT)/%.wasm)
+## guests-python: componentize-py (pinned, in tools/python) builds the Python
+## examples; mypy (pinned, same place) type-checks scaffolded projects in tests
+guests-python: $(PY_GUESTS:%=$(PY_OUT)/%.wasm) $(MYPY)
 
 ## guests-js: componentize-js (pinned in guest-examples/js/package-lock.json,
 ## installed there by npm ci, with TypeScript for the type check) builds the
@@ -62,6 +66,9 @@ $(JS_OUT)/%.wasm: $(JS_DIR)/%/app.js $(JS_DIR)/onceq-guest.js wit/handler.wit | 
 $(COMPONENTIZE_PY):
 	$(PYTHON) -m venv $(PY_TOOLS)
 	$(PY_TOOLS)/bin/pip install --quiet componentize-py==$(COMPONENTIZE_PY_VERSION)
+
+$(MYPY): | $(COMPONENTIZE_PY)
+	$(PY_TOOLS)/bin/pip install --quiet mypy==$(MYPY_VERSION)
 
 $(PY_OUT)/%.wasm: $(GUEST_DIR)/python/%/app.py $(GUEST_DIR)/python/onceq_guest.py wit/handler.wit | $(COMPONENTIZE_PY)
 	@mkdir -p $(dir $@)

@@ -293,6 +293,16 @@ fn commands_work_end_to_end() {
     let out = p.ok(&["run", "--until-empty"]);
     assert!(out.contains("payments: processed 1,") && out.contains("dead-lettered 1"), "{out}");
     assert_eq!(p.count("SELECT COUNT(*) FROM orders"), 1);
+    // stats after the run: what was processed, not only what is left
+    let stats: serde_json::Value = serde_json::from_str(&p.ok(&["stats", "--json"])).unwrap();
+    let q = &stats["queues"][0];
+    assert_eq!(
+        (&q["queue"], &q["processed"], &q["dead"], &q["delayed"]),
+        (&"payments".into(), &1.into(), &1.into(), &1.into()),
+        "{stats}"
+    );
+    let out = p.ok(&["stats"]);
+    assert!(out.contains("PROCESSED") && out.contains("LAST PROCESSED"), "{out}");
 
     // dlq: the unknown account was rejected
     let out = p.ok(&["dlq", "list"]);
@@ -510,6 +520,17 @@ fn onceq_new_scaffolds_a_rust_handler_that_builds_tests_checks_and_counts() {
     let toml = std::fs::read_to_string(project.join("Cargo.toml")).unwrap();
     assert!(toml.contains(r#"onceq-guest = { path = "onceq-guest" }"#), "{toml}");
     std::fs::copy(repo_root().join("guest-examples/Cargo.lock"), project.join("Cargo.lock")).unwrap();
+    // `make guests` compiled these dependencies for wasm with the same
+    // profile, flags and pins: a copy of that target folder spares this
+    // test a second compile of them (cargo reuses what matches and builds
+    // the rest, so the project still builds on its own).
+    let examples = repo_root().join("guest-examples/target");
+    std::fs::create_dir_all(project.join("target")).unwrap();
+    for sub in ["release", "wasm32-wasip2"] {
+        if examples.join(sub).is_dir() {
+            run_ok(Command::new("cp").arg("-a").arg(examples.join(sub)).arg(project.join("target")));
+        }
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = run_ok(
         Command::new(cargo)
@@ -541,6 +562,46 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_tests_checks_and_counts(
     assert_eq!(pinned(&project), pinned(&tools), "the scaffold pins the builder the examples use");
     std::os::unix::fs::symlink(tools.join("node_modules"), project.join("node_modules")).unwrap();
     run_ok(Command::new("npm").current_dir(&project).args(["run", "check"]));
+    // The types generated from schema.sql: a wrong table, column or value
+    // type fails the author's own type check, naming it.
+    let app = project.join("src/app.js");
+    let good = std::fs::read_to_string(&app).unwrap();
+    for (from, to, says) in [
+        ("ctx.get('counters'", "ctx.get('countres'", "countres"),
+        ("count: count + by", "cont: count + by", "'cont' does not exist"),
+        (
+            "updated_at: new Timestamp(msg.now)",
+            "updated_at: 'now'",
+            "is not assignable to type",
+        ),
+    ] {
+        assert!(good.contains(from), "{good}");
+        std::fs::write(&app, good.replace(from, to)).unwrap();
+        let out = Command::new("npm").current_dir(&project).args(["run", "check"]).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success() && text.contains(says), "{to}: {text}");
+    }
+    std::fs::write(&app, &good).unwrap();
+    // After a schema change, `npm run types` declares the new table.
+    let schema = project.join("schema.sql");
+    let ddl = std::fs::read_to_string(&schema).unwrap();
+    std::fs::write(
+        &schema,
+        format!("{ddl}CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);\n"),
+    )
+    .unwrap();
+    run_ok(
+        Command::new("npm")
+            .current_dir(&project)
+            .args(["run", "types"])
+            .env("ONCEQ", onceq_bin()),
+    );
+    let declared = std::fs::read_to_string(project.join("src/schema.d.ts")).unwrap();
+    assert!(
+        declared.contains("notes: {") && declared.contains("insert: { id: string; body: string };"),
+        "{declared}"
+    );
+    run_ok(Command::new("npm").current_dir(&project).args(["run", "check"]));
     let out = run_ok(Command::new("npm").current_dir(&project).arg("test").env("ONCEQ", onceq_bin()));
     scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_js.test.toml");
     scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
@@ -557,7 +618,7 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
     // pin) stands in for it.
     let pin = std::fs::read_to_string(project.join("requirements.txt")).unwrap();
     let makefile = std::fs::read_to_string(repo_root().join("Makefile")).unwrap();
-    let version = pin.trim().strip_prefix("componentize-py==").unwrap();
+    let version = pin.lines().find_map(|l| l.strip_prefix("componentize-py==")).unwrap();
     assert!(
         makefile.contains(&format!("COMPONENTIZE_PY_VERSION := {version}")),
         "same pin as the examples"
@@ -571,5 +632,58 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
             .arg(format!("ONCEQ={}", onceq_bin())),
     );
     scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_py.test.toml");
+    // `make check`: mypy with the types generated from schema.sql; a wrong
+    // table, column or value type fails, naming it.
+    let mypy = repo_root().join("tools/python/bin/mypy");
+    let make = |target: &str| {
+        Command::new("make")
+            .current_dir(&project)
+            .arg(target)
+            .arg(format!("COMPONENTIZE_PY={}", componentize.display()))
+            .arg(format!("MYPY={}", mypy.display()))
+            .arg(format!("ONCEQ={}", onceq_bin()))
+            .output()
+            .unwrap()
+    };
+    let text = |o: &std::process::Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let out = make("check");
+    assert!(out.status.success() && text(&out).contains("no issues found"), "{}", text(&out));
+    assert!(
+        pin.contains(&format!(
+            "mypy=={}",
+            makefile.split("MYPY_VERSION := ").nth(1).unwrap().lines().next().unwrap()
+        )),
+        "{pin}"
+    );
+    let app = project.join("src/app.py");
+    let good = std::fs::read_to_string(&app).unwrap();
+    for (from, to, says) in [
+        (r#"ctx.get("counters""#, r#"ctx.get("countres""#, "countres"),
+        ("count=count + by", "cont=count + by", r#"Unexpected keyword argument "cont""#),
+        ("updated_at=Timestamp(msg.now)", r#"updated_at="now""#, r#"Argument "updated_at""#),
+    ] {
+        assert!(good.contains(from), "{good}");
+        std::fs::write(&app, good.replace(from, to)).unwrap();
+        let out = make("check");
+        assert!(!out.status.success() && text(&out).contains(says), "{to}: {}", text(&out));
+    }
+    std::fs::write(&app, &good).unwrap();
+    // After a schema change, `make types` declares the new table.
+    let schema = project.join("schema.sql");
+    let ddl = std::fs::read_to_string(&schema).unwrap();
+    std::fs::write(
+        &schema,
+        format!("{ddl}CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);\n"),
+    )
+    .unwrap();
+    let out = make("types");
+    assert!(out.status.success(), "{}", text(&out));
+    let declared = std::fs::read_to_string(project.join("src/schema_types.pyi")).unwrap();
+    assert!(
+        declared.contains(r#"NotesInsert = TypedDict("NotesInsert", {"id": str, "body": str})"#),
+        "{declared}"
+    );
+    let out = make("check");
+    assert!(out.status.success(), "{}", text(&out));
     scaffolded_project_counts(&project, "build/hello_py.wasm", "hello-py");
 }

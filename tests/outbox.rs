@@ -539,7 +539,22 @@ listen = "127.0.0.1:0"
     let stats: serde_json::Value = serde_json::from_str(&onceq_ok(d, &["stats", "--json"]).await).unwrap();
     assert_eq!(stats["outbox"][0]["connector"], "charge");
     assert_eq!(stats["outbox"][0]["delivered_retained"], charged.len() as u64);
+    assert_eq!(
+        stats["outbox"][0]["delivered"],
+        charged.len() as u64,
+        "each intent's delivery committed once, across the kill"
+    );
     assert_eq!(stats["outbox"][0]["pending"], 0);
     let text = onceq_ok(d, &["stats"]).await;
     assert!(text.contains("OUTBOX") && text.contains("DELIVERED"), "{text}");
+    // The delivered intents, by key, with their delivery times.
+    let listed: Vec<serde_json::Value> =
+        serde_json::from_str(&onceq_ok(d, &["outbox", "delivered", "--limit", "100000", "--json"]).await).unwrap();
+    let keys: BTreeSet<String> = listed.iter().map(|e| e["idempotency_key"].as_str().unwrap().to_string()).collect();
+    assert_eq!(keys, charged, "`onceq outbox delivered` lists every delivered intent");
+    assert!(listed
+        .iter()
+        .all(|e| e["connector"] == "charge" && e["delivered_at"].as_i64() < e["key_kept_until"].as_i64()));
+    let text = onceq_ok(d, &["outbox", "delivered", "--limit", "3"]).await;
+    assert!(text.contains("KEY KEPT UNTIL") && text.lines().count() == 4, "{text}");
 }

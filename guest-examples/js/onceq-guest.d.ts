@@ -24,6 +24,24 @@ export type ColumnValue =
  */
 export type Row = Record<string, any>;
 
+/**
+ * The database's tables, filled in by a generated `schema.d.ts` (`onceq
+ * types --lang ts`): table name → its row, write and key types. Left empty,
+ * any table name and column is accepted (the host checks them at run time).
+ */
+// eslint-disable-next-line @typescript-eslint/no-empty-object-type
+export interface Tables {}
+
+/** A table's name: one of `Tables` once generated, else any string. */
+export type TableName = [keyof Tables] extends [never] ? string : keyof Tables & string;
+
+/** Part `K` of table `N`'s generated types, or `Else` without them. */
+export type TableType<N, K extends string, Else> = N extends keyof Tables
+  ? Tables[N] extends { [P in K]: infer T }
+    ? T
+    : Else
+  : Else;
+
 /** Dead-letter the message now, with this reason. */
 export class Reject extends Error {}
 
@@ -87,13 +105,17 @@ export interface EnqueueOptions {
 /** What a handler reads and emits. */
 export class Ctx {
   /** One row by primary key (values in key column order), or null. */
-  get(table: string, key: ColumnValue[]): Row | null;
+  get<N extends TableName>(table: N, key: TableType<N, 'key', ColumnValue[]>): TableType<N, 'row', Row> | null;
   /** Rows whose key starts with `prefix`, in key order, at most `limit`. */
-  scan(table: string, prefix: ColumnValue[], limit: number): Row[];
-  insert(table: string, columns: Record<string, ColumnValue>): void;
-  update(table: string, columns: Record<string, ColumnValue>): void;
-  upsert(table: string, columns: Record<string, ColumnValue>): void;
-  delete(table: string, key: Record<string, ColumnValue>): void;
+  scan<N extends TableName>(table: N, prefix: TableType<N, 'prefix', ColumnValue[]>, limit: number): TableType<N, 'row', Row>[];
+  /** A new row: every NOT NULL column. */
+  insert<N extends TableName>(table: N, columns: TableType<N, 'insert', Record<string, ColumnValue>>): void;
+  /** Columns of an existing row, found by its key columns. */
+  update<N extends TableName>(table: N, columns: TableType<N, 'update', Record<string, ColumnValue>>): void;
+  /** Insert, or replace the row with this key. */
+  upsert<N extends TableName>(table: N, columns: TableType<N, 'insert', Record<string, ColumnValue>>): void;
+  /** Delete the row with these key columns. */
+  delete<N extends TableName>(table: N, key: TableType<N, 'keyColumns', Record<string, ColumnValue>>): void;
   /** A follow-up message (JSON payload), enqueued with the ack. */
   enqueue(queue: string, payload: unknown, options?: EnqueueOptions): void;
   /** Ack now and continue later: `state` on this queue after `delayMs`. */

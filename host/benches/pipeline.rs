@@ -751,6 +751,12 @@ fn main() {
             group_commit(dir.path(), wasm.clone(), n).await;
             return;
         }
+        // One group-commit pipeline alone (for a profiler): its workers.
+        if let Some(w) = std::env::var("ONCEQ_BENCH_ONLY").ok().and_then(|v| v.strip_prefix("group-workers=")?.parse().ok()) {
+            let r = pipeline_with(dir.path(), "one.db", wasm.clone(), n, w, StoreOptions::default()).await;
+            println!("group commit, {w} workers: {:.0} messages/s", r.msgs_per_s);
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("raw") {
             let r = raw_sqlite(dir.path(), "only-raw.db", n);
             println!("raw loop: {:.0} messages/s", r.msgs_per_s);

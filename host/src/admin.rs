@@ -256,117 +256,9 @@ impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let runners = &self.0.runners;
         let (queues, outboxes): (Vec<_>, Vec<_>) = runners.iter().partition(|r| outbox::connector_of(&r.spec.name).is_none());
-        let per_version = |f: fn(&crate::protocol::VersionCounts) -> u64| -> Vec<(Labels, u64)> {
-            queues
-                .iter()
-                .flat_map(|r| {
-                    r.metrics
-                        .versions()
-                        .into_iter()
-                        .map(|(v, c)| (vec![("queue", r.spec.name.clone()), ("version", v)], f(&c)))
-                        .collect::<Vec<_>>()
-                })
-                .collect()
-        };
-        counters(
-            &mut e,
-            "onceq_messages_processed",
-            "Messages committed with their ack, per queue and handler version",
-            &per_version(|c| c.processed),
-        )?;
-        counters(
-            &mut e,
-            "onceq_messages_already_committed",
-            "Messages found already committed after an unknown commit outcome",
-            &per_version(|c| c.already_committed),
-        )?;
-        counters(
-            &mut e,
-            "onceq_messages_retried",
-            "Attempts that ended in a retry later",
-            &per_version(|c| c.retried),
-        )?;
-        counters(
-            &mut e,
-            "onceq_messages_dead_lettered",
-            "Messages moved to the dead-letter table",
-            &per_version(|c| c.dead_lettered),
-        )?;
-        let queue = |r: &QueueRunner| vec![("queue", r.spec.name.clone())];
-        let connector = |r: &QueueRunner| vec![("connector", outbox::connector_of(&r.spec.name).unwrap_or_default().to_string())];
-        counters(
-            &mut e,
-            "onceq_unknown_outcomes",
-            "Commits whose outcome was unknown (each resolved by re-running)",
-            &rows(queues.iter().copied(), queue, |m| m.unknown_outcomes.load(Relaxed)),
-        )?;
-        counters(
-            &mut e,
-            "onceq_lease_renewals",
-            "Leases extended while a message waited or was handled",
-            &rows(runners, queue, |m| m.lease_renewals.load(Relaxed)),
-        )?;
-        counters(
-            &mut e,
-            "onceq_leases_lost",
-            "Leases lost (expired and taken by another worker, or renewal failed)",
-            &rows(runners, queue, |m| m.lease_lost.load(Relaxed)),
-        )?;
-        let store_errors: Vec<(Labels, u64)> = runners
-            .iter()
-            .flat_map(|r| {
-                r.metrics
-                    .store_errors()
-                    .into_iter()
-                    .map(|(class, n)| (vec![("queue", r.spec.name.clone()), ("class", class.to_string())], n))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        counters(
-            &mut e,
-            "onceq_store_errors",
-            "Failed store calls (lease, commit, renewal, release, retry, dead letter) by error class",
-            &store_errors,
-        )?;
-        {
-            let mut m = e.encode_descriptor(
-                "onceq_seconds_since_last_commit",
-                "Seconds since the queue last committed a message (absent until its first commit)",
-                None,
-                MetricType::Gauge,
-            )?;
-            for r in runners {
-                if let Some(secs) = r.metrics.seconds_since_commit() {
-                    ConstGauge::new(secs).encode(m.encode_family(&queue(r))?)?;
-                }
-            }
-        }
-        gauges(
-            &mut e,
-            "onceq_in_flight",
-            "Messages (and intents) being processed now",
-            &rows(runners, queue, |m| m.in_flight.load(Relaxed)),
-        )?;
-        counters(
-            &mut e,
-            "onceq_outbox_delivered",
-            "Intents delivered (acked after the connector accepted them)",
-            &rows(outboxes.iter().copied(), connector, crate::protocol::Metrics::acked),
-        )?;
-        counters(
-            &mut e,
-            "onceq_outbox_failed",
-            "Delivery attempts that failed (retried later, or dead-lettered)",
-            &rows(outboxes.iter().copied(), connector, |m| {
-                m.retried.load(Relaxed) + m.dead_lettered.load(Relaxed)
-            }),
-        )?;
-        counters(
-            &mut e,
-            "onceq_outbox_dead_lettered",
-            "Intents refused for good or out of attempts",
-            &rows(outboxes.iter().copied(), connector, |m| m.dead_lettered.load(Relaxed)),
-        )?;
+        outcomes(&mut e, &queues)?;
+        health(&mut e, runners, &queues)?;
+        deliveries(&mut e, &outboxes)?;
         {
             let mut m = e.encode_descriptor(
                 "onceq_handler_version",
@@ -395,6 +287,134 @@ impl prometheus_client::collector::Collector for Collector {
         )?;
         Ok(())
     }
+}
+
+fn queue_label(r: &QueueRunner) -> Labels {
+    vec![("queue", r.spec.name.clone())]
+}
+
+/// Message outcomes per queue and handler version.
+fn outcomes(e: &mut DescriptorEncoder, queues: &[&Arc<QueueRunner>]) -> std::fmt::Result {
+    let per_version = |f: fn(&crate::protocol::VersionCounts) -> u64| -> Vec<(Labels, u64)> {
+        queues
+            .iter()
+            .flat_map(|r| {
+                r.metrics
+                    .versions()
+                    .into_iter()
+                    .map(|(v, c)| (vec![("queue", r.spec.name.clone()), ("version", v)], f(&c)))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    counters(
+        e,
+        "onceq_messages_processed",
+        "Messages committed with their ack, per queue and handler version",
+        &per_version(|c| c.processed),
+    )?;
+    counters(
+        e,
+        "onceq_messages_already_committed",
+        "Messages found already committed after an unknown commit outcome",
+        &per_version(|c| c.already_committed),
+    )?;
+    counters(
+        e,
+        "onceq_messages_retried",
+        "Attempts that ended in a retry later",
+        &per_version(|c| c.retried),
+    )?;
+    counters(
+        e,
+        "onceq_messages_dead_lettered",
+        "Messages moved to the dead-letter table",
+        &per_version(|c| c.dead_lettered),
+    )
+}
+
+/// Whether queues make progress: unknown outcomes, leases, store errors,
+/// time since the last commit, work in flight.
+fn health(e: &mut DescriptorEncoder, runners: &[Arc<QueueRunner>], queues: &[&Arc<QueueRunner>]) -> std::fmt::Result {
+    let queue = queue_label;
+    counters(
+        e,
+        "onceq_unknown_outcomes",
+        "Commits whose outcome was unknown (each resolved by re-running)",
+        &rows(queues.iter().copied(), queue, |m| m.unknown_outcomes.load(Relaxed)),
+    )?;
+    counters(
+        e,
+        "onceq_lease_renewals",
+        "Leases extended while a message waited or was handled",
+        &rows(runners, queue, |m| m.lease_renewals.load(Relaxed)),
+    )?;
+    counters(
+        e,
+        "onceq_leases_lost",
+        "Leases lost (expired and taken by another worker, or renewal failed)",
+        &rows(runners, queue, |m| m.lease_lost.load(Relaxed)),
+    )?;
+    let store_errors: Vec<(Labels, u64)> = runners
+        .iter()
+        .flat_map(|r| {
+            r.metrics
+                .store_errors()
+                .into_iter()
+                .map(|(class, n)| (vec![("queue", r.spec.name.clone()), ("class", class.to_string())], n))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    counters(
+        e,
+        "onceq_store_errors",
+        "Failed store calls (lease, commit, renewal, release, retry, dead letter) by error class",
+        &store_errors,
+    )?;
+    {
+        let mut m = e.encode_descriptor(
+            "onceq_seconds_since_last_commit",
+            "Seconds since the queue last committed a message (absent until its first commit)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for r in runners {
+            if let Some(secs) = r.metrics.seconds_since_commit() {
+                ConstGauge::new(secs).encode(m.encode_family(&queue(r))?)?;
+            }
+        }
+    }
+    gauges(
+        e,
+        "onceq_in_flight",
+        "Messages (and intents) being processed now",
+        &rows(runners, queue, |m| m.in_flight.load(Relaxed)),
+    )
+}
+
+/// The outbox: deliveries per connector.
+fn deliveries(e: &mut DescriptorEncoder, outboxes: &[&Arc<QueueRunner>]) -> std::fmt::Result {
+    let connector = |r: &QueueRunner| vec![("connector", outbox::connector_of(&r.spec.name).unwrap_or_default().to_string())];
+    counters(
+        e,
+        "onceq_outbox_delivered",
+        "Intents delivered (acked after the connector accepted them)",
+        &rows(outboxes.iter().copied(), connector, crate::protocol::Metrics::acked),
+    )?;
+    counters(
+        e,
+        "onceq_outbox_failed",
+        "Delivery attempts that failed (retried later, or dead-lettered)",
+        &rows(outboxes.iter().copied(), connector, |m| {
+            m.retried.load(Relaxed) + m.dead_lettered.load(Relaxed)
+        }),
+    )?;
+    counters(
+        e,
+        "onceq_outbox_dead_lettered",
+        "Intents refused for good or out of attempts",
+        &rows(outboxes.iter().copied(), connector, |m| m.dead_lettered.load(Relaxed)),
+    )
 }
 
 /// Talks to a running host's admin API (the `deploy`, `versions` and

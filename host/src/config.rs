@@ -367,50 +367,43 @@ fn resolve(base: &Path, p: &Path) -> PathBuf {
     }
 }
 
-impl Config {
-    /// Read and check a config file.
-    pub fn load(path: &Path) -> anyhow::Result<Config> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::parse(&text, &base).with_context(|| format!("in config {}", path.display()))
+/// `store = ...`: a `sqlite://` URL or a plain path (relative to the config
+/// file's folder), or another store's URL as written.
+fn store_url(store: &str, base: &Path) -> String {
+    if let Some(p) = store.strip_prefix("sqlite://") {
+        format!("sqlite://{}", resolve(base, Path::new(p)).display())
+    } else if store.contains("://") {
+        store.to_string()
+    } else {
+        format!("sqlite://{}", resolve(base, Path::new(store)).display())
     }
+}
 
-    /// Parse config text; relative paths are resolved against `base`.
-    pub fn parse(text: &str, base: &Path) -> anyhow::Result<Config> {
-        let raw: RawConfig = toml::from_str(text)?;
-        let store = if let Some(p) = raw.store.strip_prefix("sqlite://") {
-            format!("sqlite://{}", resolve(base, Path::new(p)).display())
-        } else if raw.store.contains("://") {
-            raw.store.clone()
-        } else {
-            format!("sqlite://{}", resolve(base, Path::new(&raw.store)).display())
-        };
-        let schema = match raw.schema {
-            None => vec![],
-            Some(OneOrMany::One(p)) => vec![resolve(base, &p)],
-            Some(OneOrMany::Many(ps)) => ps.iter().map(|p| resolve(base, p)).collect(),
-        };
-        let mut store_options = StoreOptions::default();
-        if let Some(w) = &raw.dedup_window {
-            store_options.dedup_window = parse_duration("dedup_window", w)?;
+impl RawConfig {
+    /// `dedup_window`, `[sqlite]`, `[spanner]` and `[commit]`.
+    fn store_options(&self) -> anyhow::Result<StoreOptions> {
+        let mut o = StoreOptions::default();
+        if let Some(w) = &self.dedup_window {
+            o.dedup_window = at_most("dedup_window", parse_duration("dedup_window", w)?, crate::store::MAX_SCHEDULE)?;
         }
-        if let Some(s) = &raw.sqlite.synchronous {
+        if let Some(s) = &self.sqlite.synchronous {
             if !matches!(s.as_str(), "full" | "normal" | "off") {
                 bail!("sqlite.synchronous must be \"full\", \"normal\" or \"off\", got {s:?}");
             }
-            store_options.sqlite_synchronous = s.clone();
+            o.sqlite_synchronous = s.clone();
         }
-        if let Some(n) = raw.spanner.shards {
+        let sp = &self.spanner;
+        if let Some(n) = sp.shards {
             if n == 0 {
                 bail!("spanner.shards must be at least 1");
             }
-            store_options.spanner_shards = n;
+            o.spanner_shards = n;
         }
-        if let Some(n) = raw.spanner.clients {
-            store_options.spanner_clients = n.max(1);
+        if let Some(n) = sp.clients {
+            o.spanner_clients = n.max(1);
         }
-        store_options.spanner_exclusive_clients = raw.spanner.exclusive_clients;
-        if let Some(t) = &raw.spanner.call_timeout {
+        o.spanner_exclusive_clients = sp.exclusive_clients;
+        if let Some(t) = &sp.call_timeout {
             let t = at_most(
                 "spanner.call_timeout",
                 parse_duration("spanner.call_timeout", t)?,
@@ -419,136 +412,156 @@ impl Config {
             if t < Duration::from_millis(100) {
                 bail!("spanner.call_timeout must be at least 100ms, got {t:?}");
             }
-            store_options.spanner_call_timeout = t;
+            o.spanner_call_timeout = t;
         }
-        if let Some(n) = raw.commit.max_batch {
+        if let Some(n) = self.commit.max_batch {
             if n == 0 {
                 bail!("commit.max_batch must be at least 1 (1 commits every message alone)");
             }
-            store_options.commit.max_batch = n;
+            o.commit.max_batch = n;
         }
-        if let Some(w) = &raw.commit.max_wait {
-            store_options.commit.max_wait = at_most("commit.max_wait", parse_duration("commit.max_wait", w)?, Duration::from_secs(1))?;
+        if let Some(w) = &self.commit.max_wait {
+            o.commit.max_wait = at_most("commit.max_wait", parse_duration("commit.max_wait", w)?, Duration::from_secs(1))?;
         }
+        Ok(o)
+    }
+}
+
+impl RawRuntime {
+    /// `[runtime]`; the compiled-component cache lives in `state_dir`.
+    fn resolve(&self, state_dir: &Path) -> anyhow::Result<RuntimeConfig> {
         let mut runtime = RuntimeConfig::default();
-        if let Some(n) = raw.runtime.max_instances {
+        if let Some(n) = self.max_instances {
             runtime.max_instances = n;
         }
-        if let Some(m) = &raw.runtime.max_memory {
+        if let Some(m) = &self.max_memory {
             runtime.max_memory = parse_size("runtime.max_memory", m)?;
         }
-        if let Some(b) = raw.runtime.reset_dirty_pages {
+        if let Some(b) = self.reset_dirty_pages {
             runtime.reset_dirty_pages = b;
         }
-        let state_dir = resolve(base, raw.state_dir.as_deref().unwrap_or(Path::new(".onceq")));
-        if raw.runtime.cache.unwrap_or(true) {
+        if self.cache.unwrap_or(true) {
             runtime.cache_dir = Some(state_dir.join("cache"));
         }
-        let d = &raw.defaults;
-        let mut queues: Vec<QueueConfig> = Vec::new();
-        for q in &raw.queues {
-            crate::names::check_queue(&q.name)?;
-            for target in &q.enqueue {
-                crate::names::check_queue(target).with_context(|| format!("queue {}: enqueue", q.name))?;
+        Ok(runtime)
+    }
+}
+
+impl RawQueue {
+    /// One `[[queue]]`, its unset settings taken from `[defaults]` `d`,
+    /// then the built-in defaults.
+    fn resolve(&self, d: &RawSettings, runtime: &RuntimeConfig, base: &Path) -> anyhow::Result<QueueConfig> {
+        let q = self;
+        crate::names::check_queue(&q.name)?;
+        for target in &q.enqueue {
+            crate::names::check_queue(target).with_context(|| format!("queue {}: enqueue", q.name))?;
+        }
+        let key = |k: &str| format!("queue {}: {k}", q.name);
+        let dur = |k: &str, qv: &Option<String>, dv: &Option<String>, def: Duration| -> anyhow::Result<Duration> {
+            match qv.as_ref().or(dv.as_ref()) {
+                Some(s) => parse_duration(&key(k), s),
+                None => Ok(def),
             }
-            if queues.iter().any(|o| o.name == q.name) {
-                bail!("queue {} is configured twice", q.name);
+        };
+        let size = |k: &str, qv: &Option<String>, dv: &Option<String>, def: usize| -> anyhow::Result<usize> {
+            match qv.as_ref().or(dv.as_ref()) {
+                Some(s) => parse_size(&key(k), s),
+                None => Ok(def),
             }
-            let key = |k: &str| format!("queue {}: {k}", q.name);
-            let dur = |k: &str, qv: &Option<String>, dv: &Option<String>, def: Duration| -> anyhow::Result<Duration> {
-                match qv.as_ref().or(dv.as_ref()) {
-                    Some(s) => parse_duration(&key(k), s),
-                    None => Ok(def),
-                }
-            };
-            let size = |k: &str, qv: &Option<String>, dv: &Option<String>, def: usize| -> anyhow::Result<usize> {
-                match qv.as_ref().or(dv.as_ref()) {
-                    Some(s) => parse_size(&key(k), s),
-                    None => Ok(def),
-                }
-            };
-            let pd = Policy::default();
-            let policy = Policy {
-                lease: dur("lease", &q.lease, &d.lease, pd.lease)?,
-                max_attempts: q.max_attempts.or(d.max_attempts).unwrap_or(pd.max_attempts).max(1),
-                backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
-                backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
-                workers: q.workers.or(d.workers).unwrap_or(pd.workers),
-                batch: q.batch.or(d.batch).unwrap_or(pd.batch),
-                ..pd
-            };
-            if policy.workers == 0 || policy.batch == 0 {
-                bail!("queue {}: workers and batch must be at least 1", q.name);
-            }
-            if policy.lease < Duration::from_millis(100) {
-                bail!("queue {}: lease must be at least 100ms", q.name);
-            }
-            at_most(&key("lease"), policy.lease, MAX_LEASE)?;
-            let hd = HandlerLimits::default();
-            let limits = HandlerLimits {
-                deadline: at_most(&key("deadline"), dur("deadline", &q.deadline, &d.deadline, hd.deadline)?, MAX_LEASE)?,
-                memory: size("memory", &q.memory, &d.memory, hd.memory)?,
-                max_log_bytes: size("max_log_bytes", &q.max_log_bytes, &d.max_log_bytes, hd.max_log_bytes)?,
-            };
-            if limits.memory > runtime.max_memory {
+        };
+        let pd = Policy::default();
+        let policy = Policy {
+            lease: dur("lease", &q.lease, &d.lease, pd.lease)?,
+            max_attempts: q.max_attempts.or(d.max_attempts).unwrap_or(pd.max_attempts).max(1),
+            backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
+            backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
+            workers: q.workers.or(d.workers).unwrap_or(pd.workers),
+            batch: q.batch.or(d.batch).unwrap_or(pd.batch),
+            ..pd
+        };
+        if policy.workers == 0 || policy.batch == 0 {
+            bail!("queue {}: workers and batch must be at least 1", q.name);
+        }
+        if policy.lease < Duration::from_millis(100) {
+            bail!("queue {}: lease must be at least 100ms", q.name);
+        }
+        at_most(&key("lease"), policy.lease, MAX_LEASE)?;
+        let hd = HandlerLimits::default();
+        let limits = HandlerLimits {
+            deadline: at_most(&key("deadline"), dur("deadline", &q.deadline, &d.deadline, hd.deadline)?, MAX_LEASE)?,
+            memory: size("memory", &q.memory, &d.memory, hd.memory)?,
+            max_log_bytes: size("max_log_bytes", &q.max_log_bytes, &d.max_log_bytes, hd.max_log_bytes)?,
+        };
+        if limits.memory > runtime.max_memory {
+            bail!(
+                "queue {}: memory {} exceeds runtime.max_memory {}",
+                q.name,
+                limits.memory,
+                runtime.max_memory
+            );
+        }
+        let ed = EffectLimits::default();
+        let effect_limits = EffectLimits {
+            max_effects: q.max_effects.or(d.max_effects).unwrap_or(ed.max_effects),
+            max_bytes: size("max_effect_bytes", &q.max_effect_bytes, &d.max_effect_bytes, ed.max_bytes)?,
+            max_delay: at_most(
+                &key("max_delay"),
+                dur("max_delay", &q.max_delay, &d.max_delay, ed.max_delay)?,
+                crate::store::MAX_SCHEDULE,
+            )?,
+            max_reads: q.max_reads.or(d.max_reads).unwrap_or(ed.max_reads),
+            max_read_bytes: size("max_read_bytes", &q.max_read_bytes, &d.max_read_bytes, ed.max_read_bytes)?,
+        };
+        at_most(&key("backoff_max"), policy.backoff_max, effect_limits.max_delay)?;
+        at_most(&key("backoff_initial"), policy.backoff_initial, policy.backoff_max)?;
+        Ok(QueueConfig {
+            name: q.name.clone(),
+            handler: resolve(base, &q.handler),
+            grants: Grants {
+                tables: q.tables.iter().cloned().collect(),
+                queues: q.enqueue.iter().cloned().collect(),
+                connectors: q.connectors.iter().cloned().collect(),
+            },
+            policy,
+            limits,
+            effect_limits,
+        })
+    }
+}
+
+/// The `[[connector]]`s, in file order; every connector a queue is granted
+/// must be among them.
+fn parse_connectors(raw: &[RawConnector], queues: &[QueueConfig], base: &Path) -> anyhow::Result<Vec<(String, ConnectorConfig)>> {
+    let mut connectors: Vec<(String, ConnectorConfig)> = Vec::new();
+    for c in raw {
+        crate::names::check_connector(&c.name)?;
+        if connectors.iter().any(|(n, _)| *n == c.name) {
+            bail!("connector {} is configured twice", c.name);
+        }
+        connectors.push((c.name.clone(), parse_connector(c, base)?));
+    }
+    for q in queues {
+        for c in &q.grants.connectors {
+            if !connectors.iter().any(|(n, _)| n == c) {
                 bail!(
-                    "queue {}: memory {} exceeds runtime.max_memory {}",
+                    "queue {} is granted connector {c}, but no [[connector]] named {c} is configured (connectors: {})",
                     q.name,
-                    limits.memory,
-                    runtime.max_memory
+                    if connectors.is_empty() {
+                        "none".to_string()
+                    } else {
+                        connectors.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+                    }
                 );
             }
-            let ed = EffectLimits::default();
-            let effect_limits = EffectLimits {
-                max_effects: q.max_effects.or(d.max_effects).unwrap_or(ed.max_effects),
-                max_bytes: size("max_effect_bytes", &q.max_effect_bytes, &d.max_effect_bytes, ed.max_bytes)?,
-                max_delay: at_most(
-                    &key("max_delay"),
-                    dur("max_delay", &q.max_delay, &d.max_delay, ed.max_delay)?,
-                    crate::store::MAX_SCHEDULE,
-                )?,
-                max_reads: q.max_reads.or(d.max_reads).unwrap_or(ed.max_reads),
-                max_read_bytes: size("max_read_bytes", &q.max_read_bytes, &d.max_read_bytes, ed.max_read_bytes)?,
-            };
-            at_most(&key("backoff_max"), policy.backoff_max, effect_limits.max_delay)?;
-            at_most(&key("backoff_initial"), policy.backoff_initial, policy.backoff_max)?;
-            queues.push(QueueConfig {
-                name: q.name.clone(),
-                handler: resolve(base, &q.handler),
-                grants: Grants {
-                    tables: q.tables.iter().cloned().collect(),
-                    queues: q.enqueue.iter().cloned().collect(),
-                    connectors: q.connectors.iter().cloned().collect(),
-                },
-                policy,
-                limits,
-                effect_limits,
-            });
         }
-        let mut connectors: Vec<(String, ConnectorConfig)> = Vec::new();
-        for c in &raw.connectors {
-            crate::names::check_connector(&c.name)?;
-            if connectors.iter().any(|(n, _)| *n == c.name) {
-                bail!("connector {} is configured twice", c.name);
-            }
-            connectors.push((c.name.clone(), parse_connector(c, base)?));
-        }
-        for q in &queues {
-            for c in &q.grants.connectors {
-                if !connectors.iter().any(|(n, _)| n == c) {
-                    bail!(
-                        "queue {} is granted connector {c}, but no [[connector]] named {c} is configured (connectors: {})",
-                        q.name,
-                        if connectors.is_empty() {
-                            "none".to_string()
-                        } else {
-                            connectors.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
-                        }
-                    );
-                }
-            }
-        }
-        let o = &raw.outbox;
+    }
+    Ok(connectors)
+}
+
+impl RawOutbox {
+    /// `[outbox]`: how outbox queues are worked.
+    fn resolve(&self) -> anyhow::Result<OutboxSettings> {
+        let o = self;
         let od = OutboxSettings::default();
         let odur = |k: &str, v: &Option<String>, def: Duration| -> anyhow::Result<Duration> {
             match v {
@@ -574,16 +587,19 @@ impl Config {
         at_most("outbox.lease", outbox.lease, MAX_LEASE)?;
         at_most("outbox.backoff_max", outbox.backoff_max, crate::protocol::effects::MAX_DELAY)?;
         at_most("outbox.retention", outbox.retention, crate::store::MAX_SCHEDULE)?;
-        at_most("dedup_window", store_options.dedup_window, crate::store::MAX_SCHEDULE)?;
-        let shutdown_grace = match &raw.shutdown_grace {
-            Some(g) => at_most("shutdown_grace", parse_duration("shutdown_grace", g)?, MAX_LEASE)?,
-            None => SHUTDOWN_GRACE,
-        };
-        let max_upload = match &raw.admin.max_upload {
+        Ok(outbox)
+    }
+}
+
+impl RawAdmin {
+    /// `[admin]`: the address (default loopback, `"off"` for none), the
+    /// token (from the file or the environment) and the upload limit.
+    fn resolve(&self) -> anyhow::Result<AdminConfig> {
+        let max_upload = match &self.max_upload {
             Some(m) => parse_size("admin.max_upload", m)?,
             None => ADMIN_MAX_UPLOAD,
         };
-        let listen = match raw.admin.listen.as_deref() {
+        let listen = match self.listen.as_deref() {
             None => Some(ADMIN_LISTEN.to_string()),
             Some("off") => None,
             Some(a) => {
@@ -592,38 +608,73 @@ impl Config {
                 Some(a.to_string())
             }
         };
-        if raw.admin.token.is_some() && raw.admin.token_env.is_some() {
+        if self.token.is_some() && self.token_env.is_some() {
             bail!("admin: set token or token_env, not both");
         }
-        let token = match (&raw.admin.token, &raw.admin.token_env) {
+        let token = match (&self.token, &self.token_env) {
             (Some(t), _) if t.is_empty() => bail!("admin.token is empty"),
             (Some(t), _) => Some(t.clone()),
             (None, env) => std::env::var(env.as_deref().unwrap_or(ADMIN_TOKEN_ENV))
                 .ok()
                 .filter(|t| !t.is_empty()),
         };
-        let watch = match &raw.deploy.watch {
-            None => None,
-            Some(dir) => Some((
-                resolve(base, dir),
-                match &raw.deploy.poll {
-                    Some(p) => parse_duration("deploy.poll", p)?,
-                    None => Duration::from_secs(1),
-                },
-            )),
+        Ok(AdminConfig { listen, token, max_upload })
+    }
+}
+
+impl RawDeploy {
+    /// `[deploy]`: the folder watched for handler files, and how often.
+    fn resolve(&self, base: &Path) -> anyhow::Result<Option<(PathBuf, Duration)>> {
+        let Some(dir) = &self.watch else { return Ok(None) };
+        let poll = match &self.poll {
+            Some(p) => parse_duration("deploy.poll", p)?,
+            None => Duration::from_secs(1),
         };
+        Ok(Some((resolve(base, dir), poll)))
+    }
+}
+
+impl Config {
+    /// Read and check a config file.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::parse(&text, &base).with_context(|| format!("in config {}", path.display()))
+    }
+
+    /// Parse config text; relative paths are resolved against `base`.
+    pub fn parse(text: &str, base: &Path) -> anyhow::Result<Config> {
+        let raw: RawConfig = toml::from_str(text)?;
+        let schema = match &raw.schema {
+            None => vec![],
+            Some(OneOrMany::One(p)) => vec![resolve(base, p)],
+            Some(OneOrMany::Many(ps)) => ps.iter().map(|p| resolve(base, p)).collect(),
+        };
+        let state_dir = resolve(base, raw.state_dir.as_deref().unwrap_or(Path::new(".onceq")));
+        let runtime = raw.runtime.resolve(&state_dir)?;
+        let mut queues: Vec<QueueConfig> = Vec::new();
+        for q in &raw.queues {
+            if queues.iter().any(|o| o.name == q.name) {
+                bail!("queue {} is configured twice", q.name);
+            }
+            queues.push(q.resolve(&raw.defaults, &runtime, base)?);
+        }
+        let connectors = parse_connectors(&raw.connectors, &queues, base)?;
         Ok(Config {
-            store,
+            store: store_url(&raw.store, base),
             schema,
-            store_options,
+            store_options: raw.store_options()?,
             runtime,
             queues,
-            outbox,
+            outbox: raw.outbox.resolve()?,
             connectors,
             state_dir,
-            admin: AdminConfig { listen, token, max_upload },
-            watch,
-            shutdown_grace,
+            admin: raw.admin.resolve()?,
+            watch: raw.deploy.resolve(base)?,
+            shutdown_grace: match &raw.shutdown_grace {
+                Some(g) => at_most("shutdown_grace", parse_duration("shutdown_grace", g)?, MAX_LEASE)?,
+                None => SHUTDOWN_GRACE,
+            },
         })
     }
 

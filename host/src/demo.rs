@@ -350,8 +350,28 @@ fn sum(runners: &[Arc<QueueRunner>], f: impl Fn(&protocol::Metrics) -> u64) -> u
     runners.iter().map(|r| f(&r.metrics)).sum()
 }
 
+/// Print what the run did, then check the invariants against the database
+/// and the charge file: success only if every one holds.
 async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> anyhow::Result<ExitCode> {
-    let (runners, elapsed, faults, sent) = (o.queues, o.elapsed, o.faults, o.sent);
+    print_counts(o);
+    let checks = invariants(o, store, expected).await?;
+    println!();
+    println!("invariants");
+    let mut ok = true;
+    for (what, pass) in &checks {
+        ok &= pass;
+        println!("  {} {what}", if *pass { "ok  " } else { "FAIL" });
+    }
+    if let Some(d) = store.dead_letter_list(Queues::All, 1).await?.first() {
+        println!();
+        println!("  e.g. dead letter {}: {}", d.id, d.reason);
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The run's counts, from the runners' metrics.
+fn print_counts(o: &Outcome<'_>) {
+    let (runners, elapsed, faults) = (o.queues, o.elapsed, o.faults);
     let processed = sum(runners, |m| m.processed.load(Relaxed));
     let already = sum(runners, |m| m.already_committed.load(Relaxed));
     let dead = sum(runners, |m| m.dead_lettered.load(Relaxed));
@@ -387,7 +407,14 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
         p50 as f64 / 1000.0,
         p99 as f64 / 1000.0
     );
+}
 
+/// Each invariant of the demo, worded, and whether it holds.
+async fn invariants(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> anyhow::Result<Vec<(String, bool)>> {
+    let runners = o.queues;
+    let processed = sum(runners, |m| m.processed.load(Relaxed));
+    let already = sum(runners, |m| m.already_committed.load(Relaxed));
+    let sent = o.sent;
     let accounts = store.table_rows("accounts").await?;
     let orders = store.table_rows("orders").await?;
     let items = store.table_rows("items").await?;
@@ -462,16 +489,5 @@ async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> a
             processed + already + dead_in_table == sent as u64 && left == 0,
         ),
     ];
-    println!();
-    println!("invariants");
-    let mut ok = true;
-    for (what, pass) in &checks {
-        ok &= pass;
-        println!("  {} {what}", if *pass { "ok  " } else { "FAIL" });
-    }
-    if let Some(d) = store.dead_letter_list(Queues::All, 1).await?.first() {
-        println!();
-        println!("  e.g. dead letter {}: {}", d.id, d.reason);
-    }
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(checks.into())
 }

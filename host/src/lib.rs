@@ -42,4 +42,5 @@ pub mod schema;
 pub mod store;
 pub mod testcases;
 pub mod tryout;
+pub mod typegen;
 pub mod value;

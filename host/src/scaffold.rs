@@ -31,7 +31,7 @@ const JS_TSCONFIG: &str = r#"{
     "lib": ["es2022"],
     "types": []
   },
-  "files": ["src/app.js"]
+  "files": ["src/app.js", "src/schema.d.ts"]
 }
 "#;
 const PY_SDK: &str = include_str!("../../guest-examples/python/onceq_guest.py");
@@ -268,6 +268,7 @@ const JS_PACKAGE: &str = r#"{
   "private": true,
   "type": "module",
   "scripts": {
+    "types": "${ONCEQ:-onceq} types --lang ts --out src/schema.d.ts",
     "check": "tsc -p tsconfig.json",
     "build": "mkdir -p build && componentize-js src/app.js --wit wit -n queue-handler -d stdio http fetch-event -o build/{file}.wasm",
     "test": "npm run build && ${ONCEQ:-onceq} test"
@@ -306,10 +307,15 @@ new count, and that write lands together with the message's ack, or not
 at all: a re-run after a lost commit can never count twice.
 """
 
+from typing import TYPE_CHECKING
+
 from onceq_guest import Timestamp, export, reject
 
+if TYPE_CHECKING:  # for mypy (`make check`): the tables of schema.sql
+    from schema_types import Ctx
 
-def handle(ctx, msg):
+
+def handle(ctx: "Ctx", msg):
     event = msg.json()  # a malformed payload is rejected (dead-lettered)
     key, by = event.get("key"), event.get("by", 1)
     if not isinstance(key, str):
@@ -329,15 +335,25 @@ const PY_MAKEFILE: &str = "# `make` builds build/{file}.wasm with componentize-p
 # it and runs {file}.test.toml with `onceq test`.
 PYTHON ?= python3
 COMPONENTIZE_PY ?= .venv/bin/componentize-py
+MYPY ?= .venv/bin/mypy
 ONCEQ ?= onceq
 
 build/{file}.wasm: src/app.py src/onceq_guest.py wit/handler.wit | $(COMPONENTIZE_PY)
 \tmkdir -p build
 \t$(COMPONENTIZE_PY) -d wit -w queue-handler componentize app -p src --stub-wasi -o $@
 
-.PHONY: test
+.PHONY: test check types
 test: build/{file}.wasm
 \t$(ONCEQ) test
+
+# Type-check src/app.py with mypy against src/schema_types.pyi: a wrong
+# table, column or value type fails here, before a run.
+check: | $(COMPONENTIZE_PY)
+\t$(MYPY)
+
+# After a change to schema.sql: declare its tables again.
+types:
+\t$(ONCEQ) types --lang py --out src/schema_types.pyi
 
 .venv/bin/componentize-py: requirements.txt
 \t$(PYTHON) -m venv .venv
@@ -405,16 +421,16 @@ const JS: OtherLanguage = OtherLanguage {
     build: "npm install && npm run check && npm run build",
     test: "npm test",
     sdk: "onceq-guest.js",
-    extra: "`npm run check` type-checks `src/app.js` against the SDK's declarations,\n`src/onceq-guest.d.ts`.\n",
+    extra: "`npm run check` type-checks `src/app.js` against the SDK's declarations,\n`src/onceq-guest.d.ts`, and the tables of `schema.sql` as `src/schema.d.ts`\ndeclares them: a wrong table, column or value type fails the check. After a\nschema change, `npm run types` writes `src/schema.d.ts` again (`onceq types`).\n",
     clock: "`Date.now()` is its logical time, and `Math.random()` and `crypto.getRandomValues()` are seeded from its id.",
 };
 
 const PYTHON: OtherLanguage = OtherLanguage {
     language: "Python",
-    build: "make",
+    build: "make check && make",
     test: "make test",
     sdk: "onceq_guest.py",
-    extra: "",
+    extra: "`make check` type-checks `src/app.py` with mypy against the tables of\n`schema.sql` as `src/schema_types.pyi` declares them: a wrong table, column or\nvalue type fails the check. After a schema change, `make types` writes\n`src/schema_types.pyi` again (`onceq types --lang py`).\n",
     clock: "`msg.now` and `time.time()` are its logical time, and `random`, `os.urandom()` and `uuid.uuid4()` are seeded from its id (the SDK provides them: the component is built with `--stub-wasi`, without WASI clocks or entropy).",
 };
 
@@ -446,8 +462,8 @@ pub fn new_project(parent: &Path, name: &str, lang: &str, sdk: Option<&Path>) ->
     let file = name.replace('-', "_");
     let (files, component, build) = match lang {
         "rust" => rust_files(name, &file, sdk)?,
-        "js" => js_files(name, &file),
-        _ => python_files(name, &file),
+        "js" => js_files(name, &file)?,
+        _ => python_files(name, &file)?,
     };
     let common = [
         ("schema.sql", SCHEMA.to_string()),
@@ -514,9 +530,11 @@ fn rust_files(name: &str, file: &str, sdk: Option<&Path>) -> anyhow::Result<(Fil
     ))
 }
 
-fn js_files(name: &str, file: &str) -> (Files, String, &'static [&'static str]) {
+fn js_files(name: &str, file: &str) -> anyhow::Result<(Files, String, &'static [&'static str])> {
     let component = format!("build/{file}.wasm");
+    let schema = crate::store::sqlite::schema_from_ddl(SCHEMA)?;
     let files = vec![
+        ("src/schema.d.ts", crate::typegen::typescript(&schema, "schema.sql")),
         ("package.json", render(JS_PACKAGE, name, file, "")),
         ("src/app.js", render(JS_APP, name, file, "")),
         ("src/onceq-guest.js", JS_SDK.to_string()),
@@ -524,20 +542,41 @@ fn js_files(name: &str, file: &str) -> (Files, String, &'static [&'static str]) 
         ("tsconfig.json", JS_TSCONFIG.to_string()),
         ("README.md", other_readme(name, file, &component, &JS)),
     ];
-    (files, component, &["npm install", "npm run check", "npm run build", "npm test"])
+    Ok((files, component, &["npm install", "npm run check", "npm run build", "npm test"]))
 }
 
-fn python_files(name: &str, file: &str) -> (Files, String, &'static [&'static str]) {
+fn python_files(name: &str, file: &str) -> anyhow::Result<(Files, String, &'static [&'static str])> {
     let component = format!("build/{file}.wasm");
+    let schema = crate::store::sqlite::schema_from_ddl(SCHEMA)?;
     let files = vec![
         ("Makefile", render(PY_MAKEFILE, name, file, "")),
-        ("requirements.txt", "componentize-py==0.25.1\n".to_string()),
+        (
+            "requirements.txt",
+            format!("componentize-py=={COMPONENTIZE_PY_VERSION}\nmypy=={MYPY_VERSION}\n"),
+        ),
+        ("mypy.ini", MYPY_INI.to_string()),
+        ("src/schema_types.pyi", crate::typegen::python(&schema, "schema.sql")),
         ("src/app.py", render(PY_APP, name, file, "")),
         ("src/onceq_guest.py", PY_SDK.to_string()),
         ("README.md", other_readme(name, file, &component, &PYTHON)),
     ];
-    (files, component, &["make", "make test"])
+    Ok((files, component, &["make", "make check", "make test"]))
 }
+
+/// The builder and the type checker a Python project pins (the same as the
+/// top-level Makefile installs for the examples).
+const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
+const MYPY_VERSION: &str = "1.18.2";
+
+const MYPY_INI: &str = "# `make check`: mypy on the handler, with the schema's types.
+[mypy]
+files = src/app.py
+mypy_path = src
+
+# The bindings componentize-py generates at build time.
+[mypy-wit_world.*,componentize_py_types]
+ignore_missing_imports = True
+";
 
 fn other_readme(name: &str, file: &str, component: &str, l: &OtherLanguage) -> String {
     README_OTHER

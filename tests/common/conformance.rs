@@ -66,6 +66,12 @@ pub async fn lease_and_ack(store: Arc<dyn Store>) {
         matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })),
         "a second ack fails"
     );
+    let stats = s.stats().await.unwrap();
+    let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!(q.processed, 1, "the ack is counted once, the refused one not at all");
+    assert!(q.last_processed_at.is_some_and(|t| t > 1_600_000_000_000_000), "{q:?}");
+    let other = stats.queues.iter().find(|q| q.queue == "other").unwrap();
+    assert_eq!((other.processed, other.last_processed_at), (0, None));
     let rest = lease(s, "q", 10, 10_000).await;
     assert_eq!(rest.len(), 1, "leased messages are invisible");
     assert_eq!(lease(s, "other", 10, 10_000).await.len(), 1, "queues are separate");
@@ -460,10 +466,14 @@ pub async fn outbox_intents(store: Arc<dyn Store>) {
     let stats = s.stats().await.unwrap();
     let st = stats.queues.iter().find(|x| x.queue == q).unwrap();
     assert_eq!((st.ready, st.dedup_keys), (2, 2));
+    let retention = Duration::from_millis(1500);
+    assert!(
+        s.dedup_list(Queues::Named(&q), retention, 10).await.unwrap().is_empty(),
+        "keys held until delivery are not among the delivered"
+    );
 
     // Delivered (the dispatcher's ack): the key is kept for the retention
     // window only.
-    let retention = Duration::from_millis(1500);
     let leased = lease(s, &q, 10, 10_000).await;
     assert_eq!(leased.len(), 2);
     for m in &leased {
@@ -473,6 +483,17 @@ pub async fn outbox_intents(store: Arc<dyn Store>) {
         tx.dedup_hold(&q, &key, retention);
         tx.commit().await.unwrap();
     }
+    let delivered = s.dedup_list(Queues::Named(&q), retention, 10).await.unwrap();
+    let mut keys: Vec<&str> = delivered.iter().map(|k| k.key.as_str()).collect();
+    keys.sort();
+    assert_eq!(keys, ["k1", "k2"], "the delivered intents' keys: {delivered:?}");
+    assert!(delivered.iter().all(|k| leased.iter().any(|m| m.message.id == k.message_id)));
+    let stats = s.stats().await.unwrap();
+    assert_eq!(
+        stats.queues.iter().find(|x| x.queue == q).unwrap().processed,
+        2,
+        "two deliveries counted"
+    );
     emit(&["k1"]).await;
     assert!(
         s.message_list(Queues::Named(&q), 10).await.unwrap().is_empty(),
@@ -584,4 +605,8 @@ pub async fn batched_commits_isolate_each_message(store: Arc<dyn Store>) {
     let rows = s.table_rows("pairs").await.unwrap();
     let counter = rows.iter().find(|r| r[0].1 == Value::String("counter".into())).unwrap();
     assert_eq!(counter[2].1, Value::String("2".into()));
+    // Processed counts move with the batch's own transaction: m2's ack
+    // alone, then m0 and m4 of the batch (not the three that lost), then m1.
+    let stats = s.stats().await.unwrap();
+    assert_eq!(stats.queues.iter().find(|x| x.queue == "b").unwrap().processed, 4);
 }

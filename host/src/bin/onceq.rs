@@ -146,6 +146,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Type declarations for handlers, generated from the schema files: a
+    /// wrong table, column or value type then fails the author's own type
+    /// check (`npm run check`, `make check`).
+    Types {
+        /// Language: ts (TypeScript declarations `schema.d.ts`, also for
+        /// JavaScript checked by tsc) or py (a `schema_types.pyi` stub for
+        /// mypy).
+        #[arg(long, default_value = "ts")]
+        lang: String,
+        /// Write here (default: print).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// The author's loop: watch the project, rebuild with its own build
     /// command on a change, load and test the component (`onceq test`),
     /// and hot-swap it into the running local host when the tests pass.
@@ -193,6 +206,18 @@ enum OutboxCommand {
         /// Only dead intents (refused, or out of attempts).
         #[arg(long)]
         dead: bool,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Intents delivered within the retention window (`outbox.retention`),
+    /// newest first: connector, key and delivery time (only the key is kept
+    /// after delivery).
+    Delivered {
+        /// Only this connector's intents.
+        #[arg(long)]
+        connector: Option<String>,
         #[arg(long, default_value_t = 50)]
         limit: usize,
         #[arg(long)]
@@ -300,6 +325,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             id,
         } => try_message(&cfg()?, component, message, queue, id).await,
         Command::Test { files, filter, json } => test(&cfg()?, &path, files, filter, json).await,
+        Command::Types { lang, out } => types(&cfg()?, &lang, out),
         Command::Dev {
             build,
             poll,
@@ -315,6 +341,31 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             dev(&cfg()?, &path, opts).await
         }
     }
+}
+
+/// `onceq types`.
+fn types(cfg: &Config, lang: &str, out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    if !onceq::typegen::LANGUAGES.contains(&lang) {
+        anyhow::bail!("--lang {lang}: onceq generates types for {}", onceq::typegen::LANGUAGES.join(", "));
+    }
+    if cfg.schema.is_empty() {
+        anyhow::bail!("the config names no schema files (`schema = \"schema.sql\"`): no tables to declare");
+    }
+    let schema = onceq::store::sqlite::schema_from_ddl(&cfg.schema_ddl()?).context("reading the schema files as SQLite DDL")?;
+    let names: Vec<String> = cfg
+        .schema
+        .iter()
+        .map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default())
+        .collect();
+    let text = onceq::typegen::generate(lang, &schema, &names.join(", ")).unwrap_or_default();
+    match out {
+        None => print!("{text}"),
+        Some(path) => {
+            std::fs::write(&path, &text).with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("wrote {} ({} tables)", path.display(), schema.tables.len());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The folder of the config file: the project.
@@ -556,19 +607,24 @@ async fn stats(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
             serde_json::to_string_pretty(&serde_json::json!({ "queues": queues, "outbox": outbox }))?
         );
     } else {
-        println!("{:<24} {:>8} {:>8} {:>8} {:>8}", "QUEUE", "READY", "LEASED", "DELAYED", "DEAD");
+        println!(
+            "{:<24} {:>8} {:>8} {:>8} {:>8} {:>10}  LAST PROCESSED",
+            "QUEUE", "READY", "LEASED", "DELAYED", "DEAD", "PROCESSED"
+        );
         for q in &queues {
             println!(
-                "{:<24} {:>8} {:>8} {:>8} {:>8}",
+                "{:<24} {:>8} {:>8} {:>8} {:>8} {:>10}  {}",
                 printable(&q.queue),
                 q.ready,
                 q.leased,
                 q.delayed,
-                q.dead
+                q.dead,
+                q.processed,
+                q.last_processed_at.map(onceq::names::time).unwrap_or_else(|| "-".into())
             );
         }
         if queues.is_empty() {
-            println!("(no messages)");
+            println!("(no messages, and none processed)");
         }
         for q in queues.iter().filter(|q| q.expired_leases > 0) {
             println!(
@@ -579,19 +635,25 @@ async fn stats(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         }
         println!();
         println!(
-            "{:<24} {:>8} {:>9} {:>8} {:>10}",
-            "OUTBOX", "PENDING", "IN-FLIGHT", "DEAD", "DELIVERED"
+            "{:<24} {:>8} {:>9} {:>8} {:>10} {:>10}  LAST DELIVERED",
+            "OUTBOX", "PENDING", "IN-FLIGHT", "DEAD", "DELIVERED", "KEYS KEPT"
         );
         for c in &outbox {
             println!(
-                "{:<24} {:>8} {:>9} {:>8} {:>10}",
-                c.connector, c.pending, c.in_flight, c.dead, c.delivered_retained
+                "{:<24} {:>8} {:>9} {:>8} {:>10} {:>10}  {}",
+                c.connector,
+                c.pending,
+                c.in_flight,
+                c.dead,
+                c.delivered,
+                c.delivered_retained,
+                c.last_delivered_at.map(onceq::names::time).unwrap_or_else(|| "-".into())
             );
         }
         if outbox.is_empty() {
             println!("(no intents)");
         } else {
-            println!("(DELIVERED: keys kept for the retention window, to drop duplicate emissions)");
+            println!("(KEYS KEPT: keys of delivered intents kept for the retention window, to drop duplicate emissions; `onceq outbox delivered` lists them)");
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -787,6 +849,33 @@ async fn outbox(cfg: &Config, command: OutboxCommand) -> anyhow::Result<ExitCode
                 }
                 if list.is_empty() {
                     println!("no undelivered intents");
+                }
+            }
+        }
+        OutboxCommand::Delivered { connector, limit, json } => {
+            let list = onceq::outbox::inspect::delivered(store.as_ref(), connector.as_deref(), cfg.outbox.retention, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                println!(
+                    "{:<32}  {:<12} {:<32}  {:<27}  KEY KEPT UNTIL",
+                    "ID", "CONNECTOR", "KEY", "DELIVERED"
+                );
+                for d in &list {
+                    println!(
+                        "{:<32}  {:<12} {:<32}  {:<27}  {}",
+                        d.id,
+                        d.connector,
+                        printable(&d.idempotency_key),
+                        onceq::names::time(d.delivered_at),
+                        onceq::names::time(d.key_kept_until)
+                    );
+                }
+                if list.is_empty() {
+                    println!(
+                        "no delivered intents within the retention window ({})",
+                        onceq::names::duration(cfg.outbox.retention)
+                    );
                 }
             }
         }

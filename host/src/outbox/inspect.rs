@@ -1,4 +1,4 @@
-//! Outbox inspection: what `onceq outbox list|show|replay` and the outbox
+//! Outbox inspection: what `onceq outbox list|show|replay|delivered` and the outbox
 //! part of `onceq stats` (and `/v1/stats`) show, read from the store.
 
 use super::{connector_of, queue_of, Intent, QUEUE_PREFIX};
@@ -73,7 +73,7 @@ pub async fn get(store: &dyn Store, id: &str) -> anyhow::Result<Entry> {
     if let Some(e) = store.dead_letter_get(id).await?.as_ref().and_then(entry_from_dead) {
         return Ok(e);
     }
-    bail!("no undelivered intent with id {id} (delivered intents leave the outbox; their keys are kept for the retention window)")
+    bail!("no undelivered intent with id {id} (delivered intents leave the outbox; their keys are kept for the retention window: `onceq outbox delivered`)")
 }
 
 /// `onceq outbox replay ID`: put a dead intent back in its outbox (same key,
@@ -90,6 +90,52 @@ pub async fn replay(store: &dyn Store, id: &str) -> anyhow::Result<Entry> {
     Ok(entry)
 }
 
+/// A delivered intent, as `onceq outbox delivered` prints it: only its key
+/// is kept after delivery (to drop a duplicate emission), for the
+/// retention window.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Delivered {
+    pub connector: String,
+    pub idempotency_key: String,
+    /// The outbox message that carried it.
+    pub id: String,
+    /// Database time (µs) of the delivery's commit (the key's expiry less
+    /// the configured `outbox.retention`).
+    pub delivered_at: i64,
+    /// When its key is forgotten (µs): an emission with the same key is
+    /// dropped until then.
+    pub key_kept_until: i64,
+}
+
+/// `onceq outbox delivered`: the intents delivered within the retention
+/// window, newest first; of one connector, or all.
+pub async fn delivered(
+    store: &dyn Store,
+    connector: Option<&str>,
+    retention: std::time::Duration,
+    limit: usize,
+) -> anyhow::Result<Vec<Delivered>> {
+    let queue = connector.map(queue_of);
+    let sel = match &queue {
+        Some(q) => store::Queues::Named(q),
+        None => store::Queues::Prefix(QUEUE_PREFIX),
+    };
+    Ok(store
+        .dedup_list(sel, retention, limit)
+        .await?
+        .into_iter()
+        .filter_map(|k| {
+            Some(Delivered {
+                connector: connector_of(&k.queue)?.to_string(),
+                idempotency_key: k.key,
+                id: k.message_id,
+                delivered_at: k.expires_at.saturating_sub(store::micros(retention)),
+                key_kept_until: k.expires_at,
+            })
+        })
+        .collect())
+}
+
 /// Outbox figures per connector, for `onceq stats`.
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
 pub struct ConnectorStats {
@@ -102,6 +148,10 @@ pub struct ConnectorStats {
     pub dead: u64,
     /// Delivered, key still kept for the retention window.
     pub delivered_retained: u64,
+    /// Delivered since the database was created.
+    pub delivered: u64,
+    /// When the last delivery committed (µs).
+    pub last_delivered_at: Option<i64>,
 }
 
 /// Split store stats into message queues and outbox connectors.
@@ -119,6 +169,8 @@ pub fn split_stats(stats: &store::Stats) -> (Vec<store::QueueStats>, Vec<Connect
                     in_flight: q.leased,
                     dead: q.dead,
                     delivered_retained: q.dedup_keys.saturating_sub(undelivered),
+                    delivered: q.processed,
+                    last_delivered_at: q.last_processed_at,
                 });
             }
         }

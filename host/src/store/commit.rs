@@ -135,6 +135,19 @@ pub async fn apply<E: Executor + ?Sized>(ex: &mut E, p: &Pending, dedup_window: 
     Ok(())
 }
 
+/// The acks of a batch that succeeded, per queue: what the driver adds to
+/// the processed counts (`onceq_counts`) in the batch's own transaction,
+/// so `onceq stats` counts each processed message exactly once.
+pub fn processed_by_queue<'a>(batch: &'a [Pending], results: &[StoreResult<()>]) -> std::collections::BTreeMap<&'a str, i64> {
+    let mut by_queue = std::collections::BTreeMap::new();
+    for (p, r) in batch.iter().zip(results) {
+        if let (Some(lease), Ok(())) = (&p.ack, r) {
+            *by_queue.entry(lease.queue.as_str()).or_insert(0) += 1;
+        }
+    }
+    by_queue
+}
+
 /// How pendings are grouped (`[commit]` in `onceq.toml`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CommitOptions {

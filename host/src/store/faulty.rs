@@ -167,6 +167,10 @@ impl Store for FaultyStore {
     async fn dedup_purge(&self) -> StoreResult<u64> {
         self.inner.dedup_purge().await
     }
+
+    async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
+        self.inner.dedup_list(queues, within, limit).await
+    }
 }
 
 struct FaultyTransaction {

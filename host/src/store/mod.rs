@@ -262,6 +262,12 @@ pub struct QueueStats {
     /// Dedup keys remembered (producer keys within the window; on an outbox
     /// queue, intent keys: held until delivery, then for the retention).
     pub dedup_keys: u64,
+    /// Messages committed with their ack since the database was created
+    /// (counted in the commit's own transaction, so exact; on an outbox
+    /// queue, intents delivered).
+    pub processed: u64,
+    /// When the last of them committed (database time, µs).
+    pub last_processed_at: Option<i64>,
 }
 
 /// The entry of `queue` in a stats map, created empty if missing.
@@ -274,7 +280,8 @@ pub(crate) fn queue_entry(map: &mut std::collections::BTreeMap<String, QueueStat
 
 #[derive(Debug, Clone, Default, serde::Serialize, PartialEq, Eq)]
 pub struct Stats {
-    /// Every queue with messages, dead letters or dedup keys, by name.
+    /// Every queue with messages, dead letters, dedup keys or processed
+    /// messages, by name.
     pub queues: Vec<QueueStats>,
 }
 
@@ -343,6 +350,23 @@ pub trait Store: Send + Sync + 'static {
     /// Forget dedup keys whose time is up (producer keys after the window,
     /// delivered intent keys after the retention); returns how many.
     async fn dedup_purge(&self) -> StoreResult<u64>;
+
+    /// Live dedup keys that expire within `within` from now, the latest to
+    /// expire first. On an outbox queue with `within` = the retention:
+    /// the keys of delivered intents, newest delivery first (a key held
+    /// until delivery expires a century out).
+    async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>>;
+}
+
+/// A remembered dedup key.
+#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]
+pub struct DedupKey {
+    pub queue: String,
+    pub key: String,
+    /// The message that claimed the key.
+    pub message_id: String,
+    /// Database time (µs) the key is forgotten at.
+    pub expires_at: i64,
 }
 
 /// One message transaction. Reads are served now; effects are buffered and

@@ -61,11 +61,18 @@ pub fn system_ddl() -> Vec<String> {
             queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
          ) PRIMARY KEY (queue, dedup_key)",
         "CREATE INDEX onceq_dedup_expiry ON onceq_dedup (expires_at)",
+        COUNTS_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
     .collect()
 }
+
+/// The processed counts (`onceq stats`): a row per queue and per store
+/// instance (`shard`), so hosts never contend for one row; stats add them.
+const COUNTS_DDL: &str = "CREATE TABLE onceq_counts (
+            queue STRING(256) NOT NULL, shard INT64 NOT NULL, processed INT64 NOT NULL, last_at INT64 NOT NULL
+         ) PRIMARY KEY (queue, shard)";
 
 /// Settings of the Spanner store.
 #[derive(Debug, Clone)]
@@ -347,6 +354,9 @@ pub struct SpannerStore {
     /// Message commits, grouped ([`commit::Group`]).
     group: Arc<commit::Group>,
     shards: u32,
+    /// This instance's row of `onceq_counts`; `None` on a database made
+    /// before the table (counting is then off, said once at open).
+    counts: Option<i64>,
 }
 
 fn shard_of(id: &str, shards: u32) -> i64 {
@@ -584,12 +594,24 @@ impl SpannerStore {
         let schema = Self::load_schema_retrying(&pool)
             .await
             .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
+        let counts = match pool.within("the counts table query", false, Self::has_counts_table(&pool)).await? {
+            true => Some(shard_of(&random_id(), u32::MAX)),
+            false => {
+                tracing::warn!(
+                    "{} has no onceq_counts table (made by an older onceq): `onceq stats` will not count processed messages; add it with: {}",
+                    opts.database,
+                    COUNTS_DDL.split_whitespace().collect::<Vec<_>>().join(" ")
+                );
+                None
+            }
+        };
         Ok(SpannerStore {
             pool,
             schema: Arc::new(schema),
             group: Arc::new(commit::Group::new(options.commit)),
             options: options.clone(),
             shards: opts.shards.max(1),
+            counts,
         })
     }
 
@@ -609,6 +631,25 @@ impl SpannerStore {
             }
         }
         Err(StoreError::Unavailable("reading the schema: no attempt left".into()))
+    }
+
+    async fn has_counts_table(pool: &Arc<Pool>) -> StoreResult<bool> {
+        let c = pool.get().await?;
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(
+                    "SELECT COUNT(*) FROM INFORMATION_SCHEMA.TABLES WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_counts'",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        match rs.next().await {
+            Some(r) => Ok(r.map_err(classify)?.get::<i64>(0).map_err(classify)? > 0),
+            None => Ok(false),
+        }
     }
 
     async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
@@ -989,6 +1030,37 @@ async fn flush_inserts(tx: &RwTx, shards: u32, inserts: &[(String, SendParams)])
     Ok(())
 }
 
+/// Add a batch's acks to this store instance's processed counts, in the
+/// batch's transaction: an update, or an insert the first time.
+async fn count_processed(tx: &RwTx, shard: i64, by_queue: &std::collections::BTreeMap<&str, i64>) -> google_cloud_spanner::Result<()> {
+    for (queue, n) in by_queue {
+        let updated = tx
+            .execute_update(
+                Statement::builder(format!(
+                    "UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s"
+                ))
+                .add_param("n", *n)
+                .add_param("q", queue.to_string())
+                .add_param("s", shard)
+                .build(),
+            )
+            .await?;
+        if updated == 0 {
+            tx.execute_update(
+                Statement::builder(format!(
+                    "INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})"
+                ))
+                .add_param("n", *n)
+                .add_param("q", queue.to_string())
+                .add_param("s", shard)
+                .build(),
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
 /// Spanner's batch commit: one read-write transaction for the batch; each
 /// message decided (reads unchanged, ack removed exactly its row) before
 /// its writes are buffered, so a message that loses gets its own error and
@@ -1001,11 +1073,13 @@ struct SpannerBatch {
     schema: Arc<Schema>,
     shards: u32,
     window: Duration,
+    /// The store instance's row of `onceq_counts`, if the table exists.
+    counts: Option<i64>,
 }
 
 impl SpannerBatch {
     async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>) -> StoreResult<Vec<StoreResult<()>>> {
-        let (schema, shards, window) = (self.schema.clone(), self.shards, self.window);
+        let (schema, shards, window, counts) = (self.schema.clone(), self.shards, self.window, self.counts);
         let assert_one = batch.len() == 1;
         self.pool
             .rw("a commit", move |tx| {
@@ -1033,6 +1107,9 @@ impl SpannerBatch {
                         results.push(r);
                     }
                     flush_inserts(&tx, shards, &inserts).await?;
+                    if let Some(shard) = counts {
+                        count_processed(&tx, shard, &commit::processed_by_queue(&batch, &results)).await?;
+                    }
                     Ok(results)
                 }
             })
@@ -1142,6 +1219,20 @@ impl SpannerStore {
             e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
             e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
             e.expired_leases = r.get::<i64>(5).map_err(classify)? as u64;
+        }
+        if self.counts.is_some() {
+            let mut rs = c
+                .single_use()
+                .build()
+                .execute_query(Statement::builder("SELECT queue, SUM(processed), MAX(last_at) FROM onceq_counts GROUP BY queue").build())
+                .await
+                .map_err(classify)?;
+            while let Some(r) = rs.next().await {
+                let r = r.map_err(classify)?;
+                let e = queue_entry(&mut by_queue, r.get::<String>(0).map_err(classify)?);
+                e.processed = r.get::<i64>(1).map_err(classify)?.max(0) as u64;
+                e.last_processed_at = r.get::<Option<i64>>(2).map_err(classify)?;
+            }
         }
         for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
             queue_entry(&mut by_queue, q).dead = n;
@@ -1432,6 +1523,7 @@ impl Store for SpannerStore {
             group: self.group.clone(),
             shards: self.shards,
             window: self.options.dedup_window,
+            counts: self.counts,
             snapshot: None,
             pending: commit::Pending::default(),
             schema: self.schema.clone(),
@@ -1525,6 +1617,50 @@ impl Store for SpannerStore {
             })
             .await?;
         Ok(n.max(0) as u64)
+    }
+
+    async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
+        use ColumnType::*;
+        let t = Self::system_table(
+            "onceq_dedup",
+            &[
+                ("queue", String),
+                ("dedup_key", String),
+                ("message_id", String),
+                ("expires_at", Int64),
+            ],
+        );
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT queue, dedup_key, message_id, expires_at FROM onceq_dedup
+             WHERE {cond} AND expires_at > {NOW} AND expires_at <= {NOW} + @w
+             ORDER BY expires_at DESC, queue, dedup_key LIMIT @n"
+        ))
+        .add_param("q", q)
+        .add_param("w", micros(within))
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self
+            .query_rows(stmt, &t)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
+                let text = |i: usize| match get(i) {
+                    Value::String(s) => s,
+                    _ => std::string::String::new(),
+                };
+                DedupKey {
+                    queue: text(0),
+                    key: text(1),
+                    message_id: text(2),
+                    expires_at: match get(3) {
+                        Value::Int64(n) => n,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect())
     }
 }
 
@@ -1625,6 +1761,7 @@ struct SpannerTransaction {
     schema: Arc<Schema>,
     shards: u32,
     window: Duration,
+    counts: Option<i64>,
     /// The read-only snapshot serving the handler's reads, with its client.
     snapshot: Option<(Lent, google_cloud_spanner::transaction::MultiUseReadOnlyTransaction)>,
     /// What the commit will re-check and apply.
@@ -1706,13 +1843,14 @@ impl Transaction for SpannerTransaction {
         // takes one for the whole batch.
         self.snapshot = None;
         let pending = std::mem::take(&mut self.pending);
-        let (pool, schema, shards, window) = (self.pool.clone(), self.schema.clone(), self.shards, self.window);
+        let (pool, schema, shards, window, counts) = (self.pool.clone(), self.schema.clone(), self.shards, self.window, self.counts);
         let driver = move || {
             Arc::new(SpannerBatch {
                 pool: pool.clone(),
                 schema: schema.clone(),
                 shards,
                 window,
+                counts,
             }) as Arc<dyn commit::BatchCommit>
         };
         self.group.commit(driver, pending).await

@@ -71,6 +71,14 @@ CREATE TABLE IF NOT EXISTS onceq_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL
 INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '1');
 ";
 
+/// The processed counts (`onceq stats`), also created on open for databases
+/// made before them.
+const COUNTS_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_counts (
+    queue TEXT PRIMARY KEY,
+    processed INTEGER NOT NULL,
+    last_at INTEGER NOT NULL
+);";
+
 /// Bytes of the database file mapped into memory per connection.
 const MMAP_SIZE: u64 = 256 << 20;
 
@@ -517,6 +525,9 @@ impl SqliteStore {
                 path.display()
             );
         }
+        // Databases made before processed counts get their table here.
+        conn.execute_batch(COUNTS_DDL)
+            .with_context(|| format!("adding the processed counts to {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
         Ok(SqliteStore {
             inner: Arc::new(Inner {
@@ -609,6 +620,17 @@ impl Inner {
                 return all(classify(e));
             }
             results.push(r);
+        }
+        for (queue, n) in commit::processed_by_queue(&batch, &results) {
+            let counted = tx
+                .prepare_cached(&format!(
+                    "INSERT INTO onceq_counts (queue, processed, last_at) VALUES (?1, ?2, {NOW})
+                     ON CONFLICT (queue) DO UPDATE SET processed = processed + excluded.processed, last_at = excluded.last_at"
+                ))
+                .and_then(|mut st| st.execute(params![queue, n]));
+            if let Err(e) = counted {
+                return all(classify(e)); // dropping `tx` rolls back
+            }
         }
         match tx.commit() {
             Ok(()) => results,
@@ -823,6 +845,18 @@ impl Store for SqliteStore {
                 e.next_due_ms = next_due.map(|ms| ms.max(0) as u64);
                 e.expired_leases = expired as u64;
             }
+            let mut stmt = c
+                .prepare_cached("SELECT queue, processed, last_at FROM onceq_counts")
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))
+                .map_err(classify)?;
+            for row in rows {
+                let (q, n, at) = row.map_err(classify)?;
+                let e = queue_entry(&mut by_queue, q);
+                e.processed = n.max(0) as u64;
+                e.last_processed_at = Some(at);
+            }
             for (q, n) in counts_by_queue(c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue")? {
                 queue_entry(&mut by_queue, q).dead = n;
             }
@@ -920,6 +954,30 @@ impl Store for SqliteStore {
                 .map_err(classify)
         })
         .await
+    }
+
+    async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
+        let (cond, q) = queue_condition(queues, 1);
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT queue, dedup_key, message_id, expires_at FROM onceq_dedup
+                     WHERE {cond} AND expires_at > {NOW} AND expires_at <= {NOW} + ?3
+                     ORDER BY expires_at DESC, queue, dedup_key LIMIT ?2"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![q, limit.min(i64::MAX as usize) as i64, micros(within)], |r| {
+                    Ok(DedupKey {
+                        queue: r.get(0)?,
+                        key: r.get(1)?,
+                        message_id: r.get(2)?,
+                        expires_at: r.get(3)?,
+                    })
+                })
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
     }
 }
 
