@@ -110,12 +110,14 @@ test:
 test-build:
 	$(CARGO) test --release --workspace --no-run
 
-## chaos: the long chaos run (tests/chaos.rs): 100,000 messages, hosts
-## SIGKILLed at random for two minutes, then drained and audited from the
-## database file; `make test` runs a short one
+## chaos: the long chaos runs (tests/chaos.rs): on SQLite 100,000 messages,
+## hosts SIGKILLed at random for two minutes; on the Spanner emulator 2,000
+## messages, hosts behind fault proxies and SIGKILLed for two minutes; then
+## drained and audited from the database; `make test` runs short ones
 chaos: guests
 	ONCEQ_CHAOS_MESSAGES=$${ONCEQ_CHAOS_MESSAGES:-100000} ONCEQ_CHAOS_SECONDS=$${ONCEQ_CHAOS_SECONDS:-120} \
-		tests/with-spanner-emulator.sh $(CARGO) test --release --test integration -- chaos:: --nocapture
+	ONCEQ_CHAOS_SPANNER_MESSAGES=$${ONCEQ_CHAOS_SPANNER_MESSAGES:-2000} ONCEQ_CHAOS_SPANNER_SECONDS=$${ONCEQ_CHAOS_SPANNER_SECONDS:-120} \
+		tests/with-spanner-emulator.sh $(CARGO) test --release --test integration -- chaos:: --nocapture --test-threads 1
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests

@@ -52,13 +52,15 @@ async fn send_chaos_orders(store: &dyn Store, n: usize) {
     }
 }
 
-fn host(dir: &Path, until_empty: bool) -> Child {
+/// `onceq run` in `dir` (with `--until-empty` when draining), with `env`.
+fn host(dir: &Path, until_empty: bool, env: &[(&str, String)]) -> Child {
     let mut c = Command::new(env!("CARGO_BIN_EXE_onceq"));
     c.current_dir(dir).arg("run");
     if until_empty {
         c.arg("--until-empty");
     }
-    c.env("RUST_LOG", "warn")
+    c.envs(env.iter().map(|(k, v)| (k, v)))
+        .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -72,29 +74,41 @@ struct Report {
     drain: Duration,
 }
 
-/// Run `hosts` hosts in `dir` for `seconds` of faults (a random host
-/// SIGKILLed and restarted every 0.5-2 s), then every host with
-/// `--until-empty`, which must all exit 0 within `bound`.
-fn run_with_kills(dir: &Path, hosts: usize, seconds: u64, bound: Duration) -> Report {
+/// How the faults are dealt: the environment of host `i`, how often a
+/// random host is SIGKILLed (per 0.5-2 s tick), and what else happens
+/// each tick (`tick(true)`), and once the faults stop (`tick(false)`).
+struct Faults<'a> {
+    env: &'a dyn Fn(usize) -> Vec<(&'static str, String)>,
+    kill_probability: f64,
+    tick: &'a mut dyn FnMut(bool),
+}
+
+/// Run `hosts` hosts in `dir` for `seconds` of faults, then every host
+/// with `--until-empty`, which must all exit 0 within `bound`.
+fn run_with_faults(dir: &Path, hosts: usize, seconds: u64, bound: Duration, faults: Faults<'_>) -> Report {
     let mut rng = rand::rng();
-    let mut running: Vec<Child> = (0..hosts).map(|_| host(dir, false)).collect();
+    let mut running: Vec<Child> = (0..hosts).map(|i| host(dir, false, &(faults.env)(i))).collect();
     let started = Instant::now();
     let mut kills = 0;
     while started.elapsed() < Duration::from_secs(seconds) {
         std::thread::sleep(Duration::from_millis(rng.random_range(500..2000)));
-        let victim = rng.random_range(0..hosts);
-        running[victim].kill().unwrap(); // SIGKILL
-        running[victim].wait().unwrap();
-        kills += 1;
-        running[victim] = host(dir, false);
+        (faults.tick)(true);
+        if rng.random_bool(faults.kill_probability) {
+            let victim = rng.random_range(0..hosts);
+            running[victim].kill().unwrap(); // SIGKILL
+            running[victim].wait().unwrap();
+            kills += 1;
+            running[victim] = host(dir, false, &(faults.env)(victim));
+        }
     }
     for mut h in running {
         h.kill().unwrap();
         h.wait().unwrap();
     }
+    (faults.tick)(false);
     let fault_phase = started.elapsed();
     let draining = Instant::now();
-    let finishing: Vec<Child> = (0..hosts).map(|_| host(dir, true)).collect();
+    let finishing: Vec<Child> = (0..hosts).map(|i| host(dir, true, &(faults.env)(i))).collect();
     for mut h in finishing {
         loop {
             if let Some(status) = h.try_wait().unwrap() {
@@ -133,6 +147,18 @@ fn deliveries(path: &Path) -> (BTreeMap<String, u64>, u64) {
     (out, torn)
 }
 
+/// The delivered charges are exactly the charged orders' keys, each at
+/// least once; returns the repeated deliveries and the torn lines.
+fn audit_deliveries(path: &Path, charged: &BTreeSet<String>) -> (u64, u64) {
+    let (delivered, torn) = deliveries(path);
+    let keys: BTreeSet<String> = delivered.keys().cloned().collect();
+    assert_eq!(
+        &keys, charged,
+        "one intent key per charged order, none for a declined or rolled-back one"
+    );
+    (delivered.values().map(|d| d - 1).sum(), torn)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     let n = setting("ONCEQ_CHAOS_MESSAGES", 3000) as usize;
@@ -162,7 +188,14 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     let bound = Duration::from_secs(60 + n as u64 / 20);
     let report = tokio::task::spawn_blocking({
         let dir = dir.path().to_path_buf();
-        move || run_with_kills(&dir, hosts, seconds, bound)
+        move || {
+            let faults = Faults {
+                env: &|_| vec![],
+                kill_probability: 1.0,
+                tick: &mut |_| {},
+            };
+            run_with_faults(&dir, hosts, seconds, bound, faults)
+        }
     })
     .await
     .unwrap();
@@ -201,16 +234,118 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
         .unwrap()
         .map(Result::unwrap)
         .collect();
-    let (delivered, torn) = deliveries(&dir.path().join("charges.jsonl"));
-    let keys: BTreeSet<String> = delivered.keys().cloned().collect();
-    assert_eq!(
-        keys, charged,
-        "one intent key per charged order, none for a declined or rolled-back one"
-    );
-    let repeats: u64 = delivered.values().map(|d| d - 1).sum();
+    let (repeats, torn) = audit_deliveries(&dir.path().join("charges.jsonl"), &charged);
     eprintln!(
         "chaos (SQLite): {n} messages, {hosts} hosts, {} SIGKILLs in {:.0?}; drained {:.1?} after the faults stopped; \
          {} orders charged, {invalid} dead-lettered; {repeats} repeated deliveries (at least once, each with its key), {torn} torn lines",
+        report.kills,
+        report.fault_phase,
+        report.drain,
+        charged.len()
+    );
+}
+
+/// The same on the Spanner emulator, each host behind its own fault proxy
+/// that switches at random, per tick, between passing, cutting connections
+/// mid-response (commits with an unknown outcome) and silencing them
+/// (half-open connections), while hosts are SIGKILLed; the emulator itself
+/// runs one read-write transaction at a time. Audited with Google's client
+/// directly, not through onceq's store code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_hosts_behind_fault_proxies_and_killed_process_each_message_exactly_once() {
+    use common::proxy::Proxy;
+    use common::spanner::{spanner_db, Audit};
+    use std::sync::atomic::Ordering::Relaxed;
+    let n = setting("ONCEQ_CHAOS_SPANNER_MESSAGES", 120) as usize;
+    let seconds = setting("ONCEQ_CHAOS_SPANNER_SECONDS", 20);
+    let hosts = setting("ONCEQ_CHAOS_HOSTS", 3) as usize;
+    let (store, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
+    seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
+    send_chaos_orders(store.as_ref(), n).await;
+    drop(store);
+    let emulator: std::net::SocketAddr = std::env::var("SPANNER_EMULATOR_HOST").unwrap().parse().unwrap();
+    let mut proxies = Vec::new();
+    for i in 0..hosts {
+        proxies.push(Proxy::start(emulator, 0.2, 7 + i as u64).await);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("onceq.toml"),
+        payments_hosts_config(
+            &format!("store = \"spanner://{database}\"\n\n[spanner]\nshards = 4\nclients = 2\ncall_timeout = \"2s\""),
+            "lease = \"3s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"\nmax_attempts = 50",
+        ),
+    )
+    .unwrap();
+
+    let addrs: Vec<String> = proxies.iter().map(|p| p.addr.to_string()).collect();
+    let switches: Vec<_> = proxies.iter().map(|p| (p.enabled.clone(), p.blackhole.clone())).collect();
+    let bound = Duration::from_secs(120 + n as u64 / 2);
+    let report = tokio::task::spawn_blocking({
+        let dir = dir.path().to_path_buf();
+        move || {
+            let mut rng = rand::rng();
+            let env = move |i: usize| vec![("SPANNER_EMULATOR_HOST", addrs[i].clone())];
+            let mut tick = |faults_on: bool| {
+                for (cut, silence) in &switches {
+                    let roll: f64 = if faults_on { rng.random() } else { 0.0 };
+                    // pass 60%, cut connections mid-response 25%, silence 15%
+                    cut.store((0.6..0.85).contains(&roll), Relaxed);
+                    silence.store(roll >= 0.85, Relaxed);
+                }
+            };
+            let faults = Faults {
+                env: &env,
+                kill_probability: 0.3,
+                tick: &mut tick,
+            };
+            run_with_faults(&dir, hosts, seconds, bound, faults)
+        }
+    })
+    .await
+    .unwrap();
+
+    let db = Audit::new(&database).await;
+    assert_eq!(
+        db.int("SELECT COUNT(*) FROM onceq_messages").await,
+        0,
+        "every queue drained (outbox too)"
+    );
+    let invalid = (0..n).filter(|&i| is_invalid(i)).count() as i64;
+    assert_eq!(
+        db.int("SELECT COUNT(*) FROM orders").await,
+        n as i64 - invalid,
+        "one order row per valid order"
+    );
+    assert_eq!(
+        db.int("SELECT COUNT(*) FROM onceq_dead_letters").await,
+        invalid,
+        "only the invalid orders dead-lettered"
+    );
+    assert_eq!(
+        db.int("SELECT COUNT(*) FROM onceq_dead_letters WHERE reason NOT LIKE '%amount must be positive%'")
+            .await,
+        0,
+        "each dead letter carries its reason"
+    );
+    let charged_sum = db.int("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'").await;
+    let balances = db.int("SELECT SUM(balance) FROM accounts").await;
+    assert_eq!(
+        balances + charged_sum,
+        ACCOUNTS as i64 * BALANCE,
+        "every debit applied exactly once"
+    );
+    let charged: BTreeSet<String> = db
+        .strings("SELECT CONCAT('charge-', id) FROM orders WHERE status = 'charged'")
+        .await
+        .into_iter()
+        .collect();
+    let (repeats, torn) = audit_deliveries(&dir.path().join("charges.jsonl"), &charged);
+    let cuts: u64 = proxies.iter().map(|p| p.cuts.load(Relaxed)).sum();
+    let silenced: u64 = proxies.iter().map(|p| p.silenced.load(Relaxed)).sum();
+    eprintln!(
+        "chaos (Spanner emulator): {n} messages, {hosts} hosts, {} SIGKILLs, {cuts} connections cut and {silenced} silenced in {:.0?}; \
+         drained {:.1?} after the faults stopped; {} orders charged, {invalid} dead-lettered; {repeats} repeated deliveries, {torn} torn lines",
         report.kills,
         report.fault_phase,
         report.drain,

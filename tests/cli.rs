@@ -489,9 +489,33 @@ fn scaffolded_tests_pass_then_fail_readably(project: &Path, out: &str, test_file
     std::fs::write(&path, text).unwrap();
 }
 
+/// A schema change, as an author makes one: a `notes` table added.
+fn add_notes_table(project: &Path) {
+    let schema = project.join("schema.sql");
+    let ddl = std::fs::read_to_string(&schema).unwrap();
+    std::fs::write(
+        &schema,
+        format!("{ddl}CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);\n"),
+    )
+    .unwrap();
+}
+
 /// The `onceq` binary, for projects' test commands (`$ONCEQ`).
 fn onceq_bin() -> &'static str {
     env!("CARGO_BIN_EXE_onceq")
+}
+
+#[test]
+fn run_warns_of_enqueue_targets_no_queue_serves() {
+    let p = Project::new(r#"enqueue = ["paymnts"]"#);
+    p.ok(&["init"]);
+    let out = p.run(&["run", "--until-empty"]);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("queue payments may enqueue on paymnts (did you mean payments?), which no [[queue]] of this config serves"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -583,13 +607,7 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_tests_checks_and_counts(
     }
     std::fs::write(&app, &good).unwrap();
     // After a schema change, `npm run types` declares the new table.
-    let schema = project.join("schema.sql");
-    let ddl = std::fs::read_to_string(&schema).unwrap();
-    std::fs::write(
-        &schema,
-        format!("{ddl}CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);\n"),
-    )
-    .unwrap();
+    add_notes_table(&project);
     run_ok(
         Command::new("npm")
             .current_dir(&project)
@@ -669,13 +687,7 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
     }
     std::fs::write(&app, &good).unwrap();
     // After a schema change, `make types` declares the new table.
-    let schema = project.join("schema.sql");
-    let ddl = std::fs::read_to_string(&schema).unwrap();
-    std::fs::write(
-        &schema,
-        format!("{ddl}CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL);\n"),
-    )
-    .unwrap();
+    add_notes_table(&project);
     let out = make("types");
     assert!(out.status.success(), "{}", text(&out));
     let declared = std::fs::read_to_string(project.join("src/schema_types.pyi")).unwrap();

@@ -395,6 +395,12 @@ async fn stack_overflow_is_a_trap_not_a_crash() {
     f.refused(&["trap"]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trap_the_guest_explains_nowhere_names_what_the_sandbox_lacks() {
+    let f = Attack::new("unreachable").run().await;
+    f.refused(&["unreachable", "fetch()", "open()", "ctx.get/scan", "intent"]);
+}
+
 // ---- intents reaching a webhook -------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,6 +579,31 @@ async fn the_admin_api_checks_the_token_before_reading_an_upload() {
         "the host did not buffer the uploads: {before} -> {after} bytes"
     );
 
+    // The CLI without the host's token, or with another: the refusal says
+    // where the token comes from.
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::fs::write(elsewhere.path().join("onceq.toml"), "store = \"x.db\"\n").unwrap();
+    let component = guest("hostile");
+    let admin = host.url("");
+    for (token, says) in [
+        (None, "no token was sent: set ONCEQ_ADMIN_TOKEN"),
+        (Some("wrong"), "is not the host's"),
+    ] {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
+        cmd.current_dir(elsewhere.path())
+            .args(["deploy", "hostile", component.to_str().unwrap(), "--admin", &admin])
+            .env_remove("ONCEQ_ADMIN_TOKEN");
+        if let Some(t) = token {
+            cmd.env("ONCEQ_ADMIN_TOKEN", t);
+        }
+        let out = cmd.output().await.unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            !out.status.success() && text.contains("401") && text.contains(says),
+            "{token:?}: {text}"
+        );
+    }
+
     // With the token, a body over admin.max_upload is refused (413).
     let r = host
         .http
@@ -633,6 +664,31 @@ async fn the_cli_refuses_bad_names_and_delays_and_never_prints_a_handlers_escape
     let shown = String::from_utf8_lossy(&list.stdout);
     assert!(shown.contains("bad order \\u{1b}]8;;http://evil.example"), "{shown:.300}");
     assert_eq!(shown.lines().count(), 1, "one dead letter, one line");
+}
+
+#[test]
+fn onceq_check_notes_stubbed_capabilities_and_the_missing_network() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("onceq.toml"), "store = \"x.db\"\n").unwrap();
+    let check = |component: &std::path::Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
+            .current_dir(dir.path())
+            .args(["check", component.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // A Python component (built with --stub-wasi): both notes.
+    let py = check(&repo_root().join("guest-examples/target/python/payments.wasm"));
+    assert!(
+        py.contains("note: it imports no WASI at all") && py.contains("urllib traps"),
+        "{py}"
+    );
+    assert!(py.contains("note: the sandbox offers no network and no files"), "{py}");
+    // A Rust component imports WASI: only the sandbox note.
+    let rust = check(&guest("payments"));
+    assert!(!rust.contains("imports no WASI") && rust.contains("offers no network"), "{rust}");
 }
 
 #[test]

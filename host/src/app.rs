@@ -40,28 +40,13 @@ pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) ->
         bail!("no [[queue]] and no [[connector]] configured: nothing to run");
     }
     runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
-    warn_unserved_targets(cfg);
+    cfg.warn_unserved_targets();
     let mut out = Vec::new();
     for q in &cfg.queues {
         out.push(q.runner(store, |q| Ok(Arc::new(runtime.load_file(&q.handler, q.limits)?)))?);
     }
     out.extend(build_outbox_runners(cfg, store)?);
     Ok(out)
-}
-
-/// A queue may enqueue on queues this config does not serve (another
-/// host may); say so at start, since a typo parks its messages for good.
-fn warn_unserved_targets(cfg: &Config) {
-    for q in &cfg.queues {
-        for t in q.grants.queues.iter().filter(|t| cfg.queue(t).is_err()) {
-            tracing::warn!(
-                queue = %q.name,
-                "queue {} may enqueue on {t}{}, which no [[queue]] of this config serves: its messages wait until a host serves it",
-                q.name,
-                crate::names::did_you_mean(t, cfg.queue_names())
-            );
-        }
-    }
 }
 
 /// One runner per configured connector, working its outbox queue.

@@ -685,6 +685,22 @@ impl Config {
             .with_context(|| format!("no queue named {name} in the config (queues: {})", self.queue_list()))
     }
 
+    /// A queue may enqueue on queues this config does not serve (another
+    /// host may); said at start (`onceq run`, the demo), since a typo parks
+    /// its messages for good.
+    pub fn warn_unserved_targets(&self) {
+        for q in &self.queues {
+            for t in q.grants.queues.iter().filter(|t| self.queue(t).is_err()) {
+                tracing::warn!(
+                    queue = %q.name,
+                    "queue {} may enqueue on {t}{}, which no [[queue]] of this config serves: its messages wait until a host serves it",
+                    q.name,
+                    crate::names::did_you_mean(t, self.queue_names())
+                );
+            }
+        }
+    }
+
     /// The configured queues' names, in file order.
     pub fn queue_names(&self) -> impl Iterator<Item = &str> {
         self.queues.iter().map(|q| q.name.as_str())

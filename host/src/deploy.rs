@@ -140,6 +140,7 @@ impl Deployer {
         std::fs::create_dir_all(dir.join("components")).with_context(|| format!("creating the state folder {}", dir.display()))?;
         let mut history = Self::load_history(&dir)?;
         runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
+        cfg.warn_unserved_targets();
         let mut slots = BTreeMap::new();
         let mut runners = Vec::new();
         for q in &cfg.queues {

@@ -163,46 +163,60 @@ from onceq_guest import Json, Message, Timestamp
         names.push((n, t));
     }
     for (n, t) in &names {
-        let keys: Vec<&ColumnSchema> = t.key_columns().collect();
-        let is_key = |c: &ColumnSchema| keys.iter().any(|k| k.name == c.name);
-        let dict = |suffix: &str, cols: &[&ColumnSchema], f: &dyn Fn(&ColumnSchema) -> String| {
-            let fields: Vec<String> = cols.iter().map(|c| format!("{}: {}", py_str(&c.name), f(c))).collect();
-            format!("{n}{suffix} = TypedDict(\"{n}{suffix}\", {{{}}})\n", fields.join(", "))
-        };
-        let all: Vec<&ColumnSchema> = t.columns.iter().collect();
-        let key_names: Vec<&str> = keys.iter().map(|c| c.name.as_str()).collect();
-        let _ = writeln!(out, "# Table {}, primary key ({}).", t.name, key_names.join(", "));
-        out.push_str(&dict("Row", &all, &|c| py_nullable(py_read(c.ty), c.nullable)));
-        out.push_str(&dict("Insert", &all, &|c| {
-            let ty = py_nullable(py_write(c.ty), c.nullable);
-            if c.nullable {
-                format!("NotRequired[{ty}]")
-            } else {
-                ty
-            }
-        }));
-        out.push_str(&dict("Update", &all, &|c| {
-            let ty = py_nullable(py_write(c.ty), c.nullable);
-            if is_key(c) {
-                ty
-            } else {
-                format!("NotRequired[{ty}]")
-            }
-        }));
-        out.push_str(&dict("Key", &keys, &|c| py_write(c.ty).to_string()));
-        let mut key_types: Vec<&str> = Vec::new();
-        for c in &keys {
-            if !key_types.contains(&py_write(c.ty)) {
-                key_types.push(py_write(c.ty));
-            }
-        }
-        let key_value = if key_types.is_empty() {
-            "Any".to_string()
-        } else {
-            key_types.join(" | ")
-        };
-        let _ = writeln!(out, "{n}KeyValue = {key_value}\n");
+        python_table(&mut out, n, t);
     }
+    out.push_str(&python_ctx(&names));
+    out
+}
+
+/// A table's `TypedDict`s: its row, what insert/upsert and update take,
+/// its key columns, and the type of a key value.
+fn python_table(out: &mut String, n: &str, t: &TableSchema) {
+    let keys: Vec<&ColumnSchema> = t.key_columns().collect();
+    let is_key = |c: &ColumnSchema| keys.iter().any(|k| k.name == c.name);
+    let dict = |suffix: &str, cols: &[&ColumnSchema], f: &dyn Fn(&ColumnSchema) -> String| {
+        let fields: Vec<String> = cols.iter().map(|c| format!("{}: {}", py_str(&c.name), f(c))).collect();
+        format!("{n}{suffix} = TypedDict(\"{n}{suffix}\", {{{}}})\n", fields.join(", "))
+    };
+    let all: Vec<&ColumnSchema> = t.columns.iter().collect();
+    let key_names: Vec<&str> = keys.iter().map(|c| c.name.as_str()).collect();
+    let _ = writeln!(out, "# Table {}, primary key ({}).", t.name, key_names.join(", "));
+    out.push_str(&dict("Row", &all, &|c| py_nullable(py_read(c.ty), c.nullable)));
+    out.push_str(&dict("Insert", &all, &|c| {
+        let ty = py_nullable(py_write(c.ty), c.nullable);
+        if c.nullable {
+            format!("NotRequired[{ty}]")
+        } else {
+            ty
+        }
+    }));
+    out.push_str(&dict("Update", &all, &|c| {
+        let ty = py_nullable(py_write(c.ty), c.nullable);
+        if is_key(c) {
+            ty
+        } else {
+            format!("NotRequired[{ty}]")
+        }
+    }));
+    out.push_str(&dict("Key", &keys, &|c| py_write(c.ty).to_string()));
+    let mut key_types: Vec<&str> = Vec::new();
+    for c in &keys {
+        if !key_types.contains(&py_write(c.ty)) {
+            key_types.push(py_write(c.ty));
+        }
+    }
+    let key_value = if key_types.is_empty() {
+        "Any".to_string()
+    } else {
+        key_types.join(" | ")
+    };
+    let _ = writeln!(out, "{n}KeyValue = {key_value}\n");
+}
+
+/// The `Ctx` protocol: each read and write per table (overloaded when
+/// there are several), then the calls that take no table.
+fn python_ctx(names: &[(String, &TableSchema)]) -> String {
+    let mut out = String::new();
     out.push_str("\nclass Ctx(Protocol):\n    \"\"\"What a handler reads and emits, typed by the schema.\"\"\"\n\n");
     type Method = fn(&str, &str) -> String;
     let methods: [Method; 6] = [
@@ -215,7 +229,7 @@ from onceq_guest import Json, Message, Timestamp
     ];
     for m in methods {
         // One table: a plain method; several: one overload per table.
-        for (n, t) in &names {
+        for (n, t) in names {
             if names.len() > 1 {
                 out.push_str("    @overload\n");
             }

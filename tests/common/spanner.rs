@@ -31,3 +31,40 @@ pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, St
         .expect("create the emulator database");
     (Arc::new(store), database)
 }
+
+/// Reads a database with Google's client directly, not through onceq's
+/// store code: the chaos audit's own eyes.
+pub struct Audit {
+    client: google_cloud_spanner::client::DatabaseClient,
+}
+
+impl Audit {
+    pub async fn new(database: &str) -> Audit {
+        let spanner = google_cloud_spanner::client::Spanner::builder().build().await.unwrap();
+        let client = spanner.database_client(database.to_string()).build().await.unwrap();
+        Audit { client }
+    }
+
+    /// The first column of each row the query returns, as text.
+    pub async fn strings(&self, sql: &str) -> Vec<String> {
+        use google_cloud_spanner::statement::Statement;
+        let mut rs = self
+            .client
+            .single_use()
+            .build()
+            .execute_query(Statement::builder(sql.to_string()).build())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        while let Some(r) = rs.next().await {
+            out.push(r.unwrap().get::<String>(0).unwrap());
+        }
+        out
+    }
+
+    /// The one INT64 the query returns (queried as its text).
+    pub async fn int(&self, sql: &str) -> i64 {
+        let got = self.strings(&format!("SELECT CAST(({sql}) AS STRING)")).await;
+        got[0].parse().unwrap()
+    }
+}
