@@ -258,7 +258,8 @@ pub async fn send_many(store: &dyn Store, msgs: Vec<SendParams>, chunk: usize) -
 }
 
 /// `onceq check COMPONENT`.
-pub fn check(path: &Path) -> anyhow::Result<(ComponentInfo, Result<(), String>)> {
+pub fn check(path: &Path, progress: &dyn Fn(&str)) -> anyhow::Result<(ComponentInfo, Result<(), String>)> {
+    crate::runtime::announce_large(path, progress);
     let runtime = Runtime::new(RuntimeConfig {
         max_instances: 4,
         ..Default::default()
@@ -281,6 +282,7 @@ pub async fn try_message(
     queue: &str,
     payload: Vec<u8>,
     id: Option<String>,
+    progress: &dyn Fn(&str),
 ) -> anyhow::Result<crate::tryout::TryReport> {
     let store = open_store(cfg).await?;
     let (grants, limits, effect_limits) = match cfg.queue(queue) {
@@ -302,7 +304,7 @@ pub async fn try_message(
         max_instances: 4,
         ..cfg.runtime.clone()
     })?;
-    let handler = runtime.load_file(component, limits)?;
+    let handler = runtime.load_file_reporting(component, limits, progress)?;
     let message = Message {
         id: id.unwrap_or_else(random_id),
         queue: queue.to_string(),

@@ -630,23 +630,9 @@ fn load_component(
     queue: &QueueConfig,
     progress: &dyn Fn(&str),
 ) -> anyhow::Result<crate::runtime::WasmHandler> {
-    let size = std::fs::metadata(component).map(|m| m.len()).unwrap_or(0);
-    let started = Instant::now();
-    if size > 4 << 20 {
-        progress(&format!(
-            "loading {} ({:.1} MB; the first load compiles it, which can take a while; later runs read the compiled cache)",
-            component.display(),
-            size as f64 / (1 << 20) as f64
-        ));
-    }
-    let handler = runtime
-        .load_file(component, queue.limits)
-        .with_context(|| format!("loading {}", component.display()))?;
-    let took = started.elapsed();
-    if took > Duration::from_secs(2) {
-        progress(&format!("compiled {} in {:.1} s", component.display(), took.as_secs_f64()));
-    }
-    Ok(handler)
+    runtime
+        .load_file_reporting(component, queue.limits, progress)
+        .with_context(|| format!("loading {}", component.display()))
 }
 
 /// The report a person reads: a line per case, what did not match under a

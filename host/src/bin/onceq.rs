@@ -424,7 +424,7 @@ fn new_project(name: &str, lang: &str, dir: &std::path::Path, sdk: Option<&std::
 
 /// `onceq check`.
 fn check(component: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let (info, verdict) = app::check(component)?;
+    let (info, verdict) = app::check(component, &|m| eprintln!("{m}"))?;
     println!("component: {}", component.display());
     println!("version:   {}", info.version);
     println!("size:      {} bytes", info.size);
@@ -770,6 +770,13 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
 async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<String>, admin: Option<String>) -> anyhow::Result<ExitCode> {
     let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
     let client = app::admin_client(cfg, admin.as_deref())?;
+    if bytes.len() > 4 << 20 {
+        eprintln!(
+            "sending {} ({:.1} MB): the host validates and compiles it before switching, which can take a while",
+            component.display(),
+            bytes.len() as f64 / (1 << 20) as f64
+        );
+    }
     let d = client.deploy(&queue, bytes, label.as_deref()).await?;
     println!(
         "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
@@ -915,7 +922,7 @@ async fn try_message(
         (None, [only]) => only.name.clone(),
         (None, _) => "try".to_string(),
     };
-    let report = app::try_message(cfg, &component, &queue, payload, id).await?;
+    let report = app::try_message(cfg, &component, &queue, payload, id, &|m| eprintln!("{m}")).await?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     if report.outcome != "ok" {
         return Ok(ExitCode::from(2));

@@ -301,6 +301,26 @@ impl Runtime {
     }
 
     /// Load a handler from a file, naming the file in errors.
+    /// [`Self::load_file`], saying through `progress` when a large
+    /// component is about to be loaded (the first load of a 12-20 MB
+    /// JavaScript or Python component compiles for seconds) and how long a
+    /// slow load took, so a command never sits silent.
+    pub fn load_file_reporting(
+        &self,
+        path: &std::path::Path,
+        limits: HandlerLimits,
+        progress: &dyn Fn(&str),
+    ) -> anyhow::Result<WasmHandler> {
+        let started = std::time::Instant::now();
+        announce_large(path, progress);
+        let handler = self.load_file(path, limits)?;
+        let took = started.elapsed();
+        if took > std::time::Duration::from_secs(2) {
+            progress(&format!("compiled {} in {:.1} s", path.display(), took.as_secs_f64()));
+        }
+        Ok(handler)
+    }
+
     pub fn load_file(&self, path: &std::path::Path, limits: HandlerLimits) -> anyhow::Result<WasmHandler> {
         let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
         self.load(&bytes, limits)
@@ -321,6 +341,21 @@ impl Runtime {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+}
+
+/// Components past this size take seconds to compile: say so first.
+const LARGE_COMPONENT: u64 = 4 << 20;
+
+/// Tell `progress` that `path` is large and its first load compiles it.
+pub fn announce_large(path: &std::path::Path, progress: &dyn Fn(&str)) {
+    let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    if size > LARGE_COMPONENT {
+        progress(&format!(
+            "loading {} ({:.1} MB; the first load compiles it, which can take a while; later runs read the compiled cache)",
+            path.display(),
+            size as f64 / (1 << 20) as f64
+        ));
     }
 }
 
