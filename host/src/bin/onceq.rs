@@ -345,9 +345,6 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
 
 /// `onceq types`.
 fn types(cfg: &Config, lang: &str, out: Option<PathBuf>) -> anyhow::Result<ExitCode> {
-    if !onceq::typegen::LANGUAGES.contains(&lang) {
-        anyhow::bail!("--lang {lang}: onceq generates types for {}", onceq::typegen::LANGUAGES.join(", "));
-    }
     if cfg.schema.is_empty() {
         anyhow::bail!("the config names no schema files (`schema = \"schema.sql\"`): no tables to declare");
     }
@@ -357,7 +354,9 @@ fn types(cfg: &Config, lang: &str, out: Option<PathBuf>) -> anyhow::Result<ExitC
         .iter()
         .map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default())
         .collect();
-    let text = onceq::typegen::generate(lang, &schema, &names.join(", ")).unwrap_or_default();
+    let Some(text) = onceq::typegen::generate(lang, &schema, &names.join(", ")) else {
+        anyhow::bail!("--lang {lang}: onceq generates types for {}", onceq::typegen::LANGUAGES.join(", "));
+    };
     match out {
         None => print!("{text}"),
         Some(path) => {
@@ -770,7 +769,7 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
 async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<String>, admin: Option<String>) -> anyhow::Result<ExitCode> {
     let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
     let client = app::admin_client(cfg, admin.as_deref())?;
-    if bytes.len() > 4 << 20 {
+    if bytes.len() as u64 > onceq::runtime::LARGE_COMPONENT {
         eprintln!(
             "sending {} ({:.1} MB): the host validates and compiles it before switching, which can take a while",
             component.display(),

@@ -300,7 +300,6 @@ impl Runtime {
         })
     }
 
-    /// Load a handler from a file, naming the file in errors.
     /// [`Self::load_file`], saying through `progress` when a large
     /// component is about to be loaded (the first load of a 12-20 MB
     /// JavaScript or Python component compiles for seconds) and how long a
@@ -321,6 +320,7 @@ impl Runtime {
         Ok(handler)
     }
 
+    /// Load a handler from a file, naming the file in errors.
     pub fn load_file(&self, path: &std::path::Path, limits: HandlerLimits) -> anyhow::Result<WasmHandler> {
         let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
         self.load(&bytes, limits)
@@ -345,7 +345,7 @@ impl Runtime {
 }
 
 /// Components past this size take seconds to compile: say so first.
-const LARGE_COMPONENT: u64 = 4 << 20;
+pub const LARGE_COMPONENT: u64 = 4 << 20;
 
 /// Tell `progress` that `path` is large and its first load compiles it.
 pub fn announce_large(path: &std::path::Path, progress: &dyn Fn(&str)) {

@@ -1034,27 +1034,22 @@ async fn flush_inserts(tx: &RwTx, shards: u32, inserts: &[(String, SendParams)])
 /// batch's transaction: an update, or an insert the first time.
 async fn count_processed(tx: &RwTx, shard: i64, by_queue: &std::collections::BTreeMap<&str, i64>) -> google_cloud_spanner::Result<()> {
     for (queue, n) in by_queue {
-        let updated = tx
-            .execute_update(
-                Statement::builder(format!(
-                    "UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s"
-                ))
+        let statement = |sql: String| {
+            Statement::builder(sql)
                 .add_param("n", *n)
                 .add_param("q", queue.to_string())
                 .add_param("s", shard)
-                .build(),
-            )
+                .build()
+        };
+        let updated = tx
+            .execute_update(statement(format!(
+                "UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s"
+            )))
             .await?;
         if updated == 0 {
-            tx.execute_update(
-                Statement::builder(format!(
-                    "INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})"
-                ))
-                .add_param("n", *n)
-                .add_param("q", queue.to_string())
-                .add_param("s", shard)
-                .build(),
-            )
+            tx.execute_update(statement(format!(
+                "INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})"
+            )))
             .await?;
         }
     }

@@ -592,6 +592,19 @@ impl commit::BatchCommit for SqliteBatch {
     }
 }
 
+/// Run `f` in a write transaction (`BEGIN IMMEDIATE`) on the writer,
+/// committing if it returns `Ok`, rolling back otherwise.
+fn write_on<T>(conn: &mut Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
+    let out = f(&tx)?; // dropping `tx` on error rolls back
+    tx.commit().map_err(|e| match classify(e) {
+        // A commit that fails for I/O reasons may or may not be durable.
+        StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
+        other => other,
+    })?;
+    Ok(out)
+}
+
 impl Inner {
     fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let all = |e: StoreError| batch.iter().map(|_| Err(e.clone())).collect::<Vec<_>>();
@@ -661,12 +674,7 @@ impl Inner {
         if full {
             conn.execute_batch("PRAGMA synchronous = NORMAL").map_err(classify)?;
         }
-        let out = (|| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
-            let out = f(&tx)?; // dropping `tx` on error rolls back
-            tx.commit().map_err(classify)?;
-            Ok(out)
-        })();
+        let out = write_on(&mut conn, f);
         if full {
             if let Err(e) = conn.execute_batch("PRAGMA synchronous = FULL") {
                 // Never leave the writer undurable for the commits after.
@@ -678,15 +686,7 @@ impl Inner {
     }
 
     async fn write<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
-        let mut conn = self.writer.lock().await;
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
-        let out = f(&tx)?; // dropping `tx` on error rolls back
-        tx.commit().map_err(|e| match classify(e) {
-            // A commit that fails for I/O reasons may or may not be durable.
-            StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
-            other => other,
-        })?;
-        Ok(out)
+        write_on(&mut *self.writer.lock().await, f)
     }
 
     fn reader(&self) -> StoreResult<Connection> {
