@@ -111,12 +111,12 @@ test-build:
 	$(CARGO) test --release --workspace --no-run
 
 ## chaos: the long chaos runs (tests/chaos.rs): on SQLite 100,000 messages,
-## hosts SIGKILLed at random for two minutes; on the Spanner emulator 2,000
+## hosts SIGKILLed at random for two minutes; on the Spanner emulator 1,000
 ## messages, hosts behind fault proxies and SIGKILLed for two minutes; then
 ## drained and audited from the database; `make test` runs short ones
 chaos: guests
 	ONCEQ_CHAOS_MESSAGES=$${ONCEQ_CHAOS_MESSAGES:-100000} ONCEQ_CHAOS_SECONDS=$${ONCEQ_CHAOS_SECONDS:-120} \
-	ONCEQ_CHAOS_SPANNER_MESSAGES=$${ONCEQ_CHAOS_SPANNER_MESSAGES:-2000} ONCEQ_CHAOS_SPANNER_SECONDS=$${ONCEQ_CHAOS_SPANNER_SECONDS:-120} \
+	ONCEQ_CHAOS_SPANNER_MESSAGES=$${ONCEQ_CHAOS_SPANNER_MESSAGES:-1000} ONCEQ_CHAOS_SPANNER_SECONDS=$${ONCEQ_CHAOS_SPANNER_SECONDS:-120} \
 		tests/with-spanner-emulator.sh $(CARGO) test --release --test integration -- chaos:: --nocapture --test-threads 1
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run

@@ -29,6 +29,8 @@ pub mod memory;
 #[cfg(feature = "spanner")]
 pub mod spanner;
 pub mod sqlite;
+#[cfg(feature = "spanner")]
+mod turns;
 
 /// What went wrong in a store operation, classified for the protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -135,10 +135,11 @@ struct Pool {
     state: Mutex<Conn>,
     ready: tokio::sync::Notify,
     /// On the emulator, which runs one read-write transaction at a time and
-    /// aborts any other at once, this host's read-write transactions take
-    /// turns instead of aborting each other (measured: 1 host drained 300
-    /// payments messages in 31 s without it).
-    turns: Option<tokio::sync::Semaphore>,
+    /// aborts any other at once, read-write transactions take turns, in
+    /// this process and with the other processes of the machine, instead of
+    /// aborting each other ([`super::turns`]; measured: 1 host drained 300
+    /// payments messages in 31 s without the in-process turns).
+    turns: Option<super::turns::Turns>,
 }
 
 /// One generation of the connection.
@@ -186,7 +187,7 @@ impl Drop for Lent {
 impl Pool {
     fn new(spanner: Spanner, opts: &SpannerOptions, exclusive: bool, emulator: bool) -> Pool {
         Pool {
-            turns: emulator.then(|| tokio::sync::Semaphore::new(1)),
+            turns: emulator.then(|| super::turns::Turns::new(&opts.database)),
             exclusive,
             database: opts.database.clone(),
             max: if exclusive { opts.clients.max(1) } else { 1 },
@@ -741,8 +742,8 @@ impl Pool {
     /// Aborted attempts are re-run here rather than in the client (whose
     /// backoff grows to a second): after a short jittered pause, for up to
     /// the call deadline. On the emulator, which aborts every transaction
-    /// but one at once, a host's transactions also take turns
-    /// ([`Pool::turns`]); hosts still abort each other, and a short pause
+    /// but one at once, transactions also take turns ([`Pool::turns`]);
+    /// hosts on other machines still abort each other, and a short pause
     /// keeps the emulator busy instead of idle while the losers sleep.
     async fn rw<T, F, Fut>(self: &Arc<Self>, what: &str, work: F) -> StoreResult<T>
     where
@@ -752,12 +753,11 @@ impl Pool {
     {
         let _turn = match &self.turns {
             None => None,
-            Some(turns) => match tokio::time::timeout(self.call_timeout, turns.acquire()).await {
-                Ok(Ok(permit)) => Some(permit),
-                Ok(Err(e)) => return Err(StoreError::Permanent(format!("transaction turns: {e}"))),
-                Err(_) => {
+            Some(turns) => match turns.take(self.call_timeout).await {
+                Ok(turn) => Some(turn),
+                Err(waited_for) => {
                     return Err(StoreError::Unavailable(format!(
-                        "{what}: waited {} for this host's turn at the emulator (spanner.call_timeout)",
+                        "{what}: waited {} for {waited_for} at the emulator (spanner.call_timeout)",
                         crate::names::duration(self.call_timeout)
                     )))
                 }
