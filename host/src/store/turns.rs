@@ -39,9 +39,9 @@ const POLL: Duration = Duration::from_millis(2);
 /// The turns of one database on the emulator.
 pub(crate) struct Turns {
     local: Semaphore,
-    /// The machine-wide lock file; `None` when it cannot be opened (a
-    /// read-only temporary folder), said once.
-    path: Option<PathBuf>,
+    /// The machine-wide lock file. A turn that cannot open or lock it (a
+    /// read-only temporary folder) is a local turn only, said once.
+    path: PathBuf,
     /// This process released the machine lock and has not taken it since.
     just_released: AtomicBool,
     warned: AtomicBool,
@@ -69,10 +69,10 @@ impl Turns {
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
             .collect();
-        Turns::at(Some(std::env::temp_dir().join(format!("onceq-emulator-{name}.lock"))))
+        Turns::at(std::env::temp_dir().join(format!("onceq-emulator-{name}.lock")))
     }
 
-    fn at(path: Option<PathBuf>) -> Turns {
+    fn at(path: PathBuf) -> Turns {
         Turns {
             local: Semaphore::new(1),
             path,
@@ -95,7 +95,7 @@ impl Turns {
             _permit: permit,
             file: None,
         };
-        let Some(path) = &self.path else { return Ok(turn) };
+        let path = &self.path;
         let file = match OpenOptions::new().create(true).truncate(false).write(true).open(path) {
             Ok(f) => f,
             Err(e) => {
@@ -149,7 +149,7 @@ mod tests {
     /// file afresh, so they exclude each other as processes do.
     fn two(dir: &tempfile::TempDir) -> (Arc<Turns>, Arc<Turns>) {
         let path = dir.path().join("db.lock");
-        (Arc::new(Turns::at(Some(path.clone()))), Arc::new(Turns::at(Some(path))))
+        (Arc::new(Turns::at(path.clone())), Arc::new(Turns::at(path)))
     }
 
     #[tokio::test]
@@ -196,8 +196,11 @@ mod tests {
 
     #[tokio::test]
     async fn without_a_lock_file_turns_are_local_only() {
-        let t = Turns::at(None);
+        // A lock file that cannot be opened (its folder does not exist).
+        let dir = tempfile::tempdir().unwrap();
+        let t = Turns::at(dir.path().join("missing").join("db.lock"));
         let held = t.take(Duration::from_secs(1)).await.unwrap();
+        assert!(held.file.is_none(), "no machine-wide lock");
         let err = t.take(Duration::from_millis(20)).await.err().expect("one turn at a time");
         assert!(err.contains("this host's turn"), "{err}");
         drop(held);
