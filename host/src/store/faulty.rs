@@ -44,6 +44,8 @@ pub struct FaultCounts {
     pub before_commit: AtomicU64,
     /// Lease renewals refused (`renewals_fail`).
     pub renewals: AtomicU64,
+    /// Lease calls passed through (tests count an idle queue's polls).
+    pub leases: AtomicU64,
 }
 
 impl FaultCounts {
@@ -119,6 +121,7 @@ impl Store for FaultyStore {
         self.inner.message_send(params).await
     }
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        self.injector.counts.leases.fetch_add(1, Ordering::Relaxed);
         self.inner.message_lease(params).await
     }
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
