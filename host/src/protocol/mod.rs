@@ -331,8 +331,8 @@ pub(crate) mod testing {
         ))
     }
 
-    /// Send `n` messages on queue `q` and lease them all.
-    pub async fn leased(store: &Arc<dyn Store>, n: usize, lease: Duration) -> Vec<LeasedMessage> {
+    /// Send `n` messages on queue `q`.
+    pub async fn send(store: &Arc<dyn Store>, n: usize) {
         let msgs = (0..n)
             .map(|i| SendParams {
                 queue: "q".into(),
@@ -341,6 +341,11 @@ pub(crate) mod testing {
             })
             .collect();
         store.message_send(msgs).await.unwrap();
+    }
+
+    /// Send `n` messages on queue `q` and lease them all.
+    pub async fn leased(store: &Arc<dyn Store>, n: usize, lease: Duration) -> Vec<LeasedMessage> {
+        send(store, n).await;
         let batch = store
             .message_lease(LeaseParams {
                 queue: "q".into(),

@@ -195,7 +195,7 @@ mod tests {
     use super::super::Policy;
     use super::Pace;
     use crate::store::faulty::{FaultPlan, FaultyStore};
-    use crate::store::{SendParams, Store};
+    use crate::store::Store;
     use std::sync::atomic::Ordering::Relaxed;
     use std::sync::Arc;
     use std::time::Duration;
@@ -226,14 +226,7 @@ mod tests {
 
         // Eight messages of 1 s each: the four workers share them (about
         // 2 s), where one worker alone would take 8 s.
-        let msgs: Vec<SendParams> = (0..8)
-            .map(|i| SendParams {
-                queue: "q".into(),
-                payload: format!("{i}").into_bytes(),
-                ..SendParams::default()
-            })
-            .collect();
-        store.message_send(msgs).await.unwrap();
+        send(&store, 8).await;
         let sent = tokio::time::Instant::now();
         while r.metrics.processed.load(Relaxed) < 8 {
             tokio::time::sleep(Duration::from_millis(10)).await;
