@@ -14,9 +14,11 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 /// `onceq init`: create the database with onceq's tables and the schema.
-pub async fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
-    let ddl = cfg.schema_ddl()?;
-    store::init(&cfg.store, &ddl, &cfg.store_options).await
+pub fn init(cfg: &Config) -> crate::BoxFuture<'_, anyhow::Result<Arc<dyn Store>>> {
+    Box::pin(async move {
+        let ddl = cfg.schema_ddl()?;
+        store::init(&cfg.store, &ddl, &cfg.store_options).await
+    })
 }
 
 /// How the database's tables differ from the schema files (see
@@ -29,8 +31,8 @@ pub fn schema_drift(cfg: &Config, store: &dyn Store) -> anyhow::Result<(Vec<Stri
     Ok(crate::schema::drift(&files, &store.schema()))
 }
 
-pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
-    store::open(&cfg.store, &cfg.store_options).await
+pub fn open_store(cfg: &Config) -> crate::BoxFuture<'_, anyhow::Result<Arc<dyn Store>>> {
+    Box::pin(async move { store::open(&cfg.store, &cfg.store_options).await })
 }
 
 /// Load every queue's handler and build its runner, then one outbox runner

@@ -230,101 +230,113 @@ impl Deployer {
 
     /// Validate and compile `bytes`, then switch `queue` to it. Deploying the
     /// active version again changes nothing (its label may be updated).
-    pub async fn deploy(&self, queue: &str, bytes: Vec<u8>, label: Option<String>, source: &str) -> Result<Deployment, DeployFailure> {
-        let slot = self
-            .slots
-            .get(queue)
-            .ok_or_else(|| DeployFailure::UnknownQueue(queue.to_string()))?;
-        let version = version_of(&bytes);
-        let (runtime, limits) = (self.runtime.clone(), slot.limits);
-        let compiled = {
-            let bytes = bytes.clone();
-            tokio::task::spawn_blocking(move || runtime.load(&bytes, limits))
-                .await
-                .map_err(|e| DeployFailure::Internal(format!("compiling: {e}")))?
-        };
-        let handler = compiled.map_err(|e| {
-            // The host's own log says so too, not only the caller's answer.
-            tracing::warn!(queue, version = %version, source, "deploy refused, the running version keeps serving: {e}");
-            DeployFailure::Refused {
-                version: version.clone(),
-                reason: e.to_string(),
-            }
-        })?;
-        let mut history = self.history.lock().await;
-        let entries = history.queues.entry(queue.to_string()).or_default();
-        if let Some(active) = entries.last_mut() {
-            if active.version == version {
-                if label.is_some() && active.label != label {
-                    active.label = label;
-                    let d = active.clone();
-                    Self::save_history(&self.dir, &history)?;
-                    return Ok(d);
+    pub fn deploy<'a>(
+        &'a self,
+        queue: &'a str,
+        bytes: Vec<u8>,
+        label: Option<String>,
+        source: &'a str,
+    ) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
+        Box::pin(async move {
+            let slot = self
+                .slots
+                .get(queue)
+                .ok_or_else(|| DeployFailure::UnknownQueue(queue.to_string()))?;
+            let version = version_of(&bytes);
+            let (runtime, limits) = (self.runtime.clone(), slot.limits);
+            let compiled = {
+                let bytes = bytes.clone();
+                tokio::task::spawn_blocking(move || runtime.load(&bytes, limits))
+                    .await
+                    .map_err(|e| DeployFailure::Internal(format!("compiling: {e}")))?
+            };
+            let handler = compiled.map_err(|e| {
+                // The host's own log says so too, not only the caller's answer.
+                tracing::warn!(queue, version = %version, source, "deploy refused, the running version keeps serving: {e}");
+                DeployFailure::Refused {
+                    version: version.clone(),
+                    reason: e.to_string(),
                 }
-                return Ok(active.clone());
+            })?;
+            let mut history = self.history.lock().await;
+            let entries = history.queues.entry(queue.to_string()).or_default();
+            if let Some(active) = entries.last_mut() {
+                if active.version == version {
+                    if label.is_some() && active.label != label {
+                        active.label = label;
+                        let d = active.clone();
+                        Self::save_history(&self.dir, &history)?;
+                        return Ok(d);
+                    }
+                    return Ok(active.clone());
+                }
             }
-        }
-        write_atomic(&self.component_path(&version), &bytes)
-            .map_err(|e| DeployFailure::Internal(format!("storing version {version}: {e}")))?;
-        let d = Deployment {
-            version,
-            label,
-            source: source.to_string(),
-            at_ms: now_ms(),
-            size: bytes.len() as u64,
-        };
-        let old = slot.runner.swap_handler(Arc::new(handler));
-        history.queues.entry(queue.to_string()).or_default().push(d.clone());
-        Self::save_history(&self.dir, &history)?;
-        tracing::info!(
-            queue,
-            from = %old.version(),
-            to = %d.version,
-            label = d.label.as_deref().unwrap_or(""),
-            source,
-            "deployed: new leases use the new version; messages in flight finish on the old one"
-        );
-        Ok(d)
+            write_atomic(&self.component_path(&version), &bytes)
+                .map_err(|e| DeployFailure::Internal(format!("storing version {version}: {e}")))?;
+            let d = Deployment {
+                version,
+                label,
+                source: source.to_string(),
+                at_ms: now_ms(),
+                size: bytes.len() as u64,
+            };
+            let old = slot.runner.swap_handler(Arc::new(handler));
+            history.queues.entry(queue.to_string()).or_default().push(d.clone());
+            Self::save_history(&self.dir, &history)?;
+            tracing::info!(
+                queue,
+                from = %old.version(),
+                to = %d.version,
+                label = d.label.as_deref().unwrap_or(""),
+                source,
+                "deployed: new leases use the new version; messages in flight finish on the old one"
+            );
+            Ok(d)
+        })
     }
 
     /// Switch `queue` back to the version active before the current one.
-    pub async fn rollback(&self, queue: &str) -> Result<Deployment, DeployFailure> {
-        if !self.slots.contains_key(queue) {
-            return Err(DeployFailure::UnknownQueue(queue.to_string()));
-        }
-        let previous = {
-            let history = self.history.lock().await;
-            let entries = history.queues.get(queue).cloned().unwrap_or_default();
-            let active = entries.last().map(|d| d.version.clone());
-            entries
-                .iter()
-                .rev()
-                .find(|d| Some(&d.version) != active.as_ref())
-                .cloned()
-                .ok_or_else(|| DeployFailure::NothingToRollBack(queue.to_string()))?
-        };
-        let bytes = std::fs::read(self.component_path(&previous.version))
-            .map_err(|e| DeployFailure::Internal(format!("version {} is no longer stored on this host: {e}", previous.version)))?;
-        self.deploy(queue, bytes, previous.label, "rollback").await
+    pub fn rollback<'a>(&'a self, queue: &'a str) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
+        Box::pin(async move {
+            if !self.slots.contains_key(queue) {
+                return Err(DeployFailure::UnknownQueue(queue.to_string()));
+            }
+            let previous = {
+                let history = self.history.lock().await;
+                let entries = history.queues.get(queue).cloned().unwrap_or_default();
+                let active = entries.last().map(|d| d.version.clone());
+                entries
+                    .iter()
+                    .rev()
+                    .find(|d| Some(&d.version) != active.as_ref())
+                    .cloned()
+                    .ok_or_else(|| DeployFailure::NothingToRollBack(queue.to_string()))?
+            };
+            let bytes = std::fs::read(self.component_path(&previous.version))
+                .map_err(|e| DeployFailure::Internal(format!("version {} is no longer stored on this host: {e}", previous.version)))?;
+            self.deploy(queue, bytes, previous.label, "rollback").await
+        })
     }
 
     /// A queue's deployments, newest first, the active one marked.
-    pub async fn versions(&self, queue: &str) -> Result<Vec<VersionInfo>, DeployFailure> {
-        if !self.slots.contains_key(queue) {
-            return Err(DeployFailure::UnknownQueue(queue.to_string()));
-        }
-        let history = self.history.lock().await;
-        let entries = history.queues.get(queue).cloned().unwrap_or_default();
-        let n = entries.len();
-        Ok(entries
-            .into_iter()
-            .enumerate()
-            .rev()
-            .map(|(i, deployment)| VersionInfo {
-                deployment,
-                active: i + 1 == n,
-            })
-            .collect())
+    pub fn versions<'a>(&'a self, queue: &'a str) -> crate::BoxFuture<'a, Result<Vec<VersionInfo>, DeployFailure>> {
+        Box::pin(async move {
+            if !self.slots.contains_key(queue) {
+                return Err(DeployFailure::UnknownQueue(queue.to_string()));
+            }
+            let history = self.history.lock().await;
+            let entries = history.queues.get(queue).cloned().unwrap_or_default();
+            let n = entries.len();
+            Ok(entries
+                .into_iter()
+                .enumerate()
+                .rev()
+                .map(|(i, deployment)| VersionInfo {
+                    deployment,
+                    active: i + 1 == n,
+                })
+                .collect())
+        })
     }
 
     /// The version each queue's new leases use.

@@ -25,10 +25,13 @@
 //! - [`names`]: queue, connector and key names, the reserved `onceq.`
 //!   namespace, and escaping what handlers and producers chose (a leaf:
 //!   it imports nothing of onceq's).
-//! - [`app`]: what the CLI commands do (the `onceq` binary is a thin shell).
+//! - [`app`]: what the CLI commands do; [`cli`]: the command line itself
+//!   (argument parsing and printing; the `onceq` binary only calls
+//!   [`cli::main`]).
 
 pub mod admin;
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod deploy;
@@ -44,3 +47,14 @@ pub mod testcases;
 pub mod tryout;
 pub mod typegen;
 pub mod value;
+
+/// What the library's public async entry points (store opening, the queue
+/// runners, deploys, the admin server) return: a boxed future.
+///
+/// For build time, not for the callers (they `.await` it as before): an
+/// `async fn`'s state machine counts as generic, so its body, and every
+/// client call it awaits, is compiled again in each crate that awaits it.
+/// The binary and the test binaries each compiled the Spanner client's and
+/// wasmtime's async paths again (measured: about 250-300 s apiece of a cold
+/// release build). Boxed here, they are compiled once, in this crate.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -211,68 +211,75 @@ pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
 /// Run several queues until `shutdown` turns true (the caller sends it, on a
 /// signal say). With `until_empty`, also send it once no queue has a ready
 /// or leased message, nor a delayed one due within [`UNTIL_EMPTY_HORIZON`].
-pub async fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, shutdown: Arc<watch::Sender<bool>>, until_empty: bool) {
-    let rx = shutdown.subscribe();
-    let mut tasks = tokio::task::JoinSet::new();
-    for r in &runners {
-        let r = r.clone();
-        let rx = rx.clone();
-        tasks.spawn(async move { r.run(rx).await });
-    }
-    if until_empty {
-        let names: BTreeSet<String> = runners.iter().map(|r| r.spec.name.clone()).collect();
-        // Any runner going idle wakes the watcher.
-        let idle = Arc::new(tokio::sync::Notify::new());
-        let mut forwarders = tokio::task::JoinSet::new();
+pub fn run_queues(
+    store: Arc<dyn Store>,
+    runners: Vec<Arc<QueueRunner>>,
+    shutdown: Arc<watch::Sender<bool>>,
+    until_empty: bool,
+) -> crate::BoxFuture<'static, ()> {
+    Box::pin(async move {
+        let rx = shutdown.subscribe();
+        let mut tasks = tokio::task::JoinSet::new();
         for r in &runners {
-            let (mine, any) = (r.idle.clone(), idle.clone());
-            forwarders.spawn(async move {
-                loop {
-                    mine.notified().await;
-                    any.notify_one();
+            let r = r.clone();
+            let rx = rx.clone();
+            tasks.spawn(async move { r.run(rx).await });
+        }
+        if until_empty {
+            let names: BTreeSet<String> = runners.iter().map(|r| r.spec.name.clone()).collect();
+            // Any runner going idle wakes the watcher.
+            let idle = Arc::new(tokio::sync::Notify::new());
+            let mut forwarders = tokio::task::JoinSet::new();
+            for r in &runners {
+                let (mine, any) = (r.idle.clone(), idle.clone());
+                forwarders.spawn(async move {
+                    loop {
+                        mine.notified().await;
+                        any.notify_one();
+                    }
+                });
+            }
+            let mut rx = rx.clone();
+            let runners = runners.clone();
+            tasks.spawn(async move {
+                let _forwarders = forwarders; // stop with the watcher
+                let mut gap = UNTIL_EMPTY_MIN_GAP;
+                while !*rx.borrow() {
+                    // The store is asked only once every queue came up empty
+                    // here: the counts read the whole queue table, which a busy
+                    // Spanner emulator feels (measured: checks on every idle
+                    // moment of the outbox took a third of its CPU).
+                    let asked = runners.iter().all(|r| r.drained.load(Ordering::Relaxed));
+                    if !asked {
+                        gap = UNTIL_EMPTY_MIN_GAP;
+                    } else if let Ok(stats) = store.stats().await {
+                        let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
+                        let busy = stats
+                            .queues
+                            .iter()
+                            .filter(|q| names.contains(&q.queue))
+                            .any(|q| q.ready + q.leased > 0 || q.next_due_ms.is_some_and(|ms| ms <= horizon));
+                        if !busy {
+                            let _ = shutdown.send(true);
+                            return;
+                        }
+                    }
+                    // At most one check per gap, however many workers report an
+                    // empty queue meanwhile; the gap grows while other hosts
+                    // still hold the last messages.
+                    sleep_or_shutdown(&mut rx, gap).await;
+                    if asked {
+                        gap = (gap * 2).min(UNTIL_EMPTY_POLL);
+                    }
+                    tokio::select! {
+                        _ = idle.notified() => {}
+                        _ = sleep_or_shutdown(&mut rx, UNTIL_EMPTY_POLL) => {}
+                    }
                 }
             });
         }
-        let mut rx = rx.clone();
-        let runners = runners.clone();
-        tasks.spawn(async move {
-            let _forwarders = forwarders; // stop with the watcher
-            let mut gap = UNTIL_EMPTY_MIN_GAP;
-            while !*rx.borrow() {
-                // The store is asked only once every queue came up empty
-                // here: the counts read the whole queue table, which a busy
-                // Spanner emulator feels (measured: checks on every idle
-                // moment of the outbox took a third of its CPU).
-                let asked = runners.iter().all(|r| r.drained.load(Ordering::Relaxed));
-                if !asked {
-                    gap = UNTIL_EMPTY_MIN_GAP;
-                } else if let Ok(stats) = store.stats().await {
-                    let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
-                    let busy = stats
-                        .queues
-                        .iter()
-                        .filter(|q| names.contains(&q.queue))
-                        .any(|q| q.ready + q.leased > 0 || q.next_due_ms.is_some_and(|ms| ms <= horizon));
-                    if !busy {
-                        let _ = shutdown.send(true);
-                        return;
-                    }
-                }
-                // At most one check per gap, however many workers report an
-                // empty queue meanwhile; the gap grows while other hosts
-                // still hold the last messages.
-                sleep_or_shutdown(&mut rx, gap).await;
-                if asked {
-                    gap = (gap * 2).min(UNTIL_EMPTY_POLL);
-                }
-                tokio::select! {
-                    _ = idle.notified() => {}
-                    _ = sleep_or_shutdown(&mut rx, UNTIL_EMPTY_POLL) => {}
-                }
-            }
-        });
-    }
-    while tasks.join_next().await.is_some() {}
+        while tasks.join_next().await.is_some() {}
+    })
 }
 
 /// Helpers for the protocol's unit tests: a real SQLite file in a temp

@@ -35,18 +35,20 @@ pub(super) const IDLE_BACKOFF_MIN: Duration = Duration::from_millis(2);
 impl QueueRunner {
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
     /// finish, leased-but-unstarted ones are released.
-    pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
-        let mut tasks = tokio::task::JoinSet::new();
-        for w in 0..self.spec.policy.workers.max(1) {
-            let me = self.clone();
-            let sd = shutdown.clone();
-            tasks.spawn(async move { me.worker(w, sd).await });
-        }
-        while let Some(r) = tasks.join_next().await {
-            if let Err(e) = r {
-                warn!(queue = %self.spec.name, "worker task ended abnormally: {e}");
+    pub fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) -> crate::BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for w in 0..self.spec.policy.workers.max(1) {
+                let me = self.clone();
+                let sd = shutdown.clone();
+                tasks.spawn(async move { me.worker(w, sd).await });
             }
-        }
+            while let Some(r) = tasks.join_next().await {
+                if let Err(e) = r {
+                    warn!(queue = %self.spec.name, "worker task ended abnormally: {e}");
+                }
+            }
+        })
     }
 
     pub(super) async fn worker(&self, n: usize, mut shutdown: watch::Receiver<bool>) {

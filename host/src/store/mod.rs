@@ -426,10 +426,12 @@ impl StoreUrl {
 }
 
 /// Open an existing store from its URL.
-pub async fn open(url: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
-    Ok(match StoreUrl::parse(url)? {
-        StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::open(&path, options)?),
-        StoreUrl::Spanner(db) => spanner_open(&db, None, options).await?,
+pub fn open<'a>(url: &'a str, options: &'a StoreOptions) -> crate::BoxFuture<'a, anyhow::Result<Arc<dyn Store>>> {
+    Box::pin(async move {
+        Ok(match StoreUrl::parse(url)? {
+            StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::open(&path, options)?),
+            StoreUrl::Spanner(db) => spanner_open(&db, None, options).await?,
+        })
     })
 }
 
@@ -449,10 +451,12 @@ async fn spanner_open(db: &str, _init_ddl: Option<&str>, _options: &StoreOptions
 }
 
 /// Create a store (`onceq init`): onceq's tables plus the business DDL.
-pub async fn init(url: &str, business_ddl: &str, options: &StoreOptions) -> anyhow::Result<Arc<dyn Store>> {
-    Ok(match StoreUrl::parse(url)? {
-        StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::init(&path, business_ddl, options)?),
-        StoreUrl::Spanner(db) => spanner_open(&db, Some(business_ddl), options).await?,
+pub fn init<'a>(url: &'a str, business_ddl: &'a str, options: &'a StoreOptions) -> crate::BoxFuture<'a, anyhow::Result<Arc<dyn Store>>> {
+    Box::pin(async move {
+        Ok(match StoreUrl::parse(url)? {
+            StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::init(&path, business_ddl, options)?),
+            StoreUrl::Spanner(db) => spanner_open(&db, Some(business_ddl), options).await?,
+        })
     })
 }
 
