@@ -94,7 +94,7 @@ pub trait Executor {
 /// Send one message: claim its dedup key first (the one dedup rule of
 /// every store: a live claim drops the send), then insert it.
 pub async fn send<E: Executor + ?Sized>(ex: &mut E, p: &SendParams, default_window: Duration) -> StoreResult<SendOutcome> {
-    let id = crate::value::random_id();
+    let id = crate::value::message_id();
     if let Some(key) = &p.dedup_key {
         let window = p.dedup_window.unwrap_or(default_window);
         if let Some(existing_id) = ex.dedup_claim(&p.queue, key, &id, window).await? {
