@@ -193,19 +193,13 @@ pub fn router(admin: Arc<Admin>) -> Router {
 }
 
 /// Serve until `stop` turns true, then finish the requests under way.
-pub fn serve(
-    admin: Arc<Admin>,
-    listener: tokio::net::TcpListener,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> crate::BoxFuture<'static, ()> {
-    Box::pin(async move {
-        let stopping = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = axum::serve(listener, router(admin)).with_graceful_shutdown(stopping).await {
-            tracing::error!("admin API stopped: {e}");
-        }
-    })
+pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let stopping = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    if let Err(e) = axum::serve(listener, router(admin)).with_graceful_shutdown(stopping).await {
+        tracing::error!("admin API stopped: {e}");
+    }
 }
 
 /// Reads the runners' counters at each scrape (no second set of books).

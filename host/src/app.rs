@@ -14,11 +14,9 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 /// `onceq init`: create the database with onceq's tables and the schema.
-pub fn init(cfg: &Config) -> crate::BoxFuture<'_, anyhow::Result<Arc<dyn Store>>> {
-    Box::pin(async move {
-        let ddl = cfg.schema_ddl()?;
-        store::init(&cfg.store, &ddl, &cfg.store_options).await
-    })
+pub async fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    let ddl = cfg.schema_ddl()?;
+    store::init(&cfg.store, &ddl, &cfg.store_options).await
 }
 
 /// How the database's tables differ from the schema files (see
@@ -31,8 +29,8 @@ pub fn schema_drift(cfg: &Config, store: &dyn Store) -> anyhow::Result<(Vec<Stri
     Ok(crate::schema::drift(&files, &store.schema()))
 }
 
-pub fn open_store(cfg: &Config) -> crate::BoxFuture<'_, anyhow::Result<Arc<dyn Store>>> {
-    Box::pin(async move { store::open(&cfg.store, &cfg.store_options).await })
+pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    store::open(&cfg.store, &cfg.store_options).await
 }
 
 /// Load every queue's handler and build its runner, then one outbox runner

@@ -234,91 +234,89 @@ fn text<'a>(row: &'a Row, name: &str) -> &'a str {
 }
 
 /// Run the demo; the exit code is non-zero if an invariant fails.
-pub fn run(args: DemoArgs) -> crate::BoxFuture<'static, anyhow::Result<ExitCode>> {
-    Box::pin(async move {
-        let guests = std::fs::canonicalize(&args.guests)
-            .with_context(|| format!("example components not found in {} (run `make guests`)", args.guests.display()))?;
-        if args.dir.exists() {
-            std::fs::remove_dir_all(&args.dir).with_context(|| format!("clearing {}", args.dir.display()))?;
-        }
-        std::fs::create_dir_all(&args.dir)?;
-        let spanner = args.store.starts_with("spanner://");
-        let (payments, inventory) = if spanner {
-            (PAYMENTS_SCHEMA_SPANNER, INVENTORY_SCHEMA_SPANNER)
-        } else {
-            (PAYMENTS_SCHEMA, INVENTORY_SCHEMA)
-        };
-        std::fs::write(args.dir.join("payments.sql"), payments)?;
-        std::fs::write(args.dir.join("inventory.sql"), inventory)?;
-        let cfg_path = args.dir.join("onceq.toml");
-        std::fs::write(&cfg_path, config_text(&args, &guests))?;
-        let cfg = Config::load(&cfg_path)?;
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let guests = std::fs::canonicalize(&args.guests)
+        .with_context(|| format!("example components not found in {} (run `make guests`)", args.guests.display()))?;
+    if args.dir.exists() {
+        std::fs::remove_dir_all(&args.dir).with_context(|| format!("clearing {}", args.dir.display()))?;
+    }
+    std::fs::create_dir_all(&args.dir)?;
+    let spanner = args.store.starts_with("spanner://");
+    let (payments, inventory) = if spanner {
+        (PAYMENTS_SCHEMA_SPANNER, INVENTORY_SCHEMA_SPANNER)
+    } else {
+        (PAYMENTS_SCHEMA, INVENTORY_SCHEMA)
+    };
+    std::fs::write(args.dir.join("payments.sql"), payments)?;
+    std::fs::write(args.dir.join("inventory.sql"), inventory)?;
+    let cfg_path = args.dir.join("onceq.toml");
+    std::fs::write(&cfg_path, config_text(&args, &guests))?;
+    let cfg = Config::load(&cfg_path)?;
 
-        let backend = if spanner {
-            format!("Spanner ({})", args.store)
-        } else {
-            format!("SQLite (synchronous={})", args.synchronous)
-        };
-        println!("onceq demo: {} messages, payments + inventory handlers, {backend}", args.messages);
-        let base = app::init(&cfg).await?;
-        seed(base.as_ref()).await?;
-        let (msgs, expected) = generate(args.messages, args.seed);
-        app::send_many(base.as_ref(), msgs, 1000).await?;
-        println!(
-            "  seeded {ACCOUNTS} accounts and {ITEMS} items; sent {} messages ({} of them bad on purpose)",
-            args.messages, expected.bad
-        );
+    let backend = if spanner {
+        format!("Spanner ({})", args.store)
+    } else {
+        format!("SQLite (synchronous={})", args.synchronous)
+    };
+    println!("onceq demo: {} messages, payments + inventory handlers, {backend}", args.messages);
+    let base = app::init(&cfg).await?;
+    seed(base.as_ref()).await?;
+    let (msgs, expected) = generate(args.messages, args.seed);
+    app::send_many(base.as_ref(), msgs, 1000).await?;
+    println!(
+        "  seeded {ACCOUNTS} accounts and {ITEMS} items; sent {} messages ({} of them bad on purpose)",
+        args.messages, expected.bad
+    );
 
-        let (faulty, fault_counts) = FaultyStore::new(
-            base.clone(),
-            FaultPlan {
-                after_commit: args.faults / 2.0,
-                before_commit: args.faults / 2.0,
-                limit: None,
-                seed: args.seed,
-                ..FaultPlan::default()
-            },
-        );
-        let store: Arc<dyn Store> = Arc::new(faulty);
-        let runtime = Runtime::new(cfg.runtime.clone())?;
-        let runners = app::build_runners(&cfg, &store, &runtime)?;
+    let (faulty, fault_counts) = FaultyStore::new(
+        base.clone(),
+        FaultPlan {
+            after_commit: args.faults / 2.0,
+            before_commit: args.faults / 2.0,
+            limit: None,
+            seed: args.seed,
+            ..FaultPlan::default()
+        },
+    );
+    let store: Arc<dyn Store> = Arc::new(faulty);
+    let runtime = Runtime::new(cfg.runtime.clone())?;
+    let runners = app::build_runners(&cfg, &store, &runtime)?;
 
-        let (queues, dispatchers): (Vec<_>, Vec<_>) = runners.iter().cloned().partition(|r| outbox::connector_of(&r.spec.name).is_none());
-        let bar = indicatif::ProgressBar::new(args.messages as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} messages  {per_sec}  eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        let (tx, _) = tokio::sync::watch::channel(false);
-        let tx = Arc::new(tx);
-        let started = Instant::now();
-        let run = tokio::spawn(protocol::run_queues(store.clone(), runners.clone(), tx.clone(), true));
-        let signal_tx = tx.clone();
-        let signals = tokio::spawn(async move {
-            app::shutdown_signal().await;
-            let _ = signal_tx.send(true);
-        });
-        while !run.is_finished() {
-            bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        run.await?;
-        signals.abort();
-        let elapsed = started.elapsed();
+    let (queues, dispatchers): (Vec<_>, Vec<_>) = runners.iter().cloned().partition(|r| outbox::connector_of(&r.spec.name).is_none());
+    let bar = indicatif::ProgressBar::new(args.messages as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} messages  {per_sec}  eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let (tx, _) = tokio::sync::watch::channel(false);
+    let tx = Arc::new(tx);
+    let started = Instant::now();
+    let run = tokio::spawn(protocol::run_queues(store.clone(), runners.clone(), tx.clone(), true));
+    let signal_tx = tx.clone();
+    let signals = tokio::spawn(async move {
+        app::shutdown_signal().await;
+        let _ = signal_tx.send(true);
+    });
+    while !run.is_finished() {
         bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
-        bar.finish();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    run.await?;
+    signals.abort();
+    let elapsed = started.elapsed();
+    bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
+    bar.finish();
 
-        let charges = read_charges(&args.dir.join("charges.jsonl"))?;
-        let outcome = Outcome {
-            queues: &queues,
-            dispatchers: &dispatchers,
-            elapsed,
-            faults: fault_counts.total(),
-            sent: args.messages,
-            charges,
-        };
-        summarize(&outcome, base.as_ref(), &expected).await
-    })
+    let charges = read_charges(&args.dir.join("charges.jsonl"))?;
+    let outcome = Outcome {
+        queues: &queues,
+        dispatchers: &dispatchers,
+        elapsed,
+        faults: fault_counts.total(),
+        sent: args.messages,
+        charges,
+    };
+    summarize(&outcome, base.as_ref(), &expected).await
 }
 
 /// The idempotency keys in the `charge` connector's file, one per line

@@ -48,8 +48,8 @@ pub mod tryout;
 pub mod typegen;
 pub mod value;
 
-/// What the library's public async entry points (store opening, the queue
-/// runners, deploys, the admin server) return: a boxed future.
+/// What the library's public async entry points that other crates await
+/// (store opening, the queue runners, deploys) return: a boxed future.
 ///
 /// For build time, not for the callers (they `.await` it as before): an
 /// `async fn`'s state machine counts as generic, so its body, and every

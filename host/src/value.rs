@@ -193,7 +193,8 @@ impl Effect {
 /// entry).
 pub const ITEM_OVERHEAD: usize = 16;
 
-/// A new random id: 128 bits, hex (lease tokens).
+/// A new random id: 128 bits, hex (lease tokens, and ids that need not
+/// sort: see [`message_id`]).
 pub fn random_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }

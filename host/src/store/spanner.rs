@@ -591,36 +591,34 @@ impl SpannerStore {
     }
 
     /// Connect to an existing database.
-    pub fn open<'a>(opts: &'a SpannerOptions, options: &'a StoreOptions) -> crate::BoxFuture<'a, anyhow::Result<SpannerStore>> {
-        Box::pin(async move {
-            let spanner = Spanner::builder()
-                .build()
-                .await
-                .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
-            let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
-            let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
-            let schema = Self::load_schema_retrying(&pool)
-                .await
-                .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
-            let counts = match pool.within("the counts table query", false, Self::has_counts_table(&pool)).await? {
-                true => Some(shard_of(&random_id(), u32::MAX)),
-                false => {
-                    tracing::warn!(
-                        "{} has no onceq_counts table (made by an older onceq): `onceq stats` will not count processed messages; add it with: {}",
-                        opts.database,
-                        COUNTS_DDL.split_whitespace().collect::<Vec<_>>().join(" ")
-                    );
-                    None
-                }
-            };
-            Ok(SpannerStore {
-                pool,
-                schema: Arc::new(schema),
-                group: Arc::new(commit::Group::new(options.commit)),
-                options: options.clone(),
-                shards: opts.shards.max(1),
-                counts,
-            })
+    pub async fn open(opts: &SpannerOptions, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
+        let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
+        let schema = Self::load_schema_retrying(&pool)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
+        let counts = match pool.within("the counts table query", false, Self::has_counts_table(&pool)).await? {
+            true => Some(shard_of(&random_id(), u32::MAX)),
+            false => {
+                tracing::warn!(
+                    "{} has no onceq_counts table (made by an older onceq): `onceq stats` will not count processed messages; add it with: {}",
+                    opts.database,
+                    COUNTS_DDL.split_whitespace().collect::<Vec<_>>().join(" ")
+                );
+                None
+            }
+        };
+        Ok(SpannerStore {
+            pool,
+            schema: Arc::new(schema),
+            group: Arc::new(commit::Group::new(options.commit)),
+            options: options.clone(),
+            shards: opts.shards.max(1),
+            counts,
         })
     }
 
