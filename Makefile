@@ -6,6 +6,10 @@ GUEST_TARGET := wasm32-wasip2
 GUEST_DIR    := guest-examples
 GUEST_OUT    := $(GUEST_DIR)/target/$(GUEST_TARGET)/release
 ONCEQ        := target/release/onceq
+# Tests build with Cargo's bench profile: release (same compiled
+# dependencies, in target/release) with onceq's own crate at opt-level 1
+# (Cargo.toml says why). Benchmarks and the demo use the release profile.
+TEST_PROFILE := --profile bench
 PYTHON       ?= python3
 PY_TOOLS     := tools/python
 COMPONENTIZE_PY_VERSION := 0.25.1
@@ -99,16 +103,16 @@ test:
 	@# The guests (wasm, componentize-js/py) and the host's test build share
 	@# nothing: built side by side, then every test runs.
 	$(MAKE) --no-print-directory -j2 guests test-build
-	tests/with-spanner-emulator.sh $(CARGO) test --release --workspace
+	tests/with-spanner-emulator.sh $(CARGO) test $(TEST_PROFILE) --workspace
 	@echo "== exactly-once and outbox again with every message committed alone (commit.max_batch = 1)"
-	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test --release --test integration -- exactly_once:: outbox::
+	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test $(TEST_PROFILE) --test integration -- exactly_once:: outbox::
 	@echo "== again on an emulator that aborts commits at random (--enable_fault_injection)"
 	SPANNER_EMULATOR_ARGS=--enable_fault_injection tests/with-spanner-emulator.sh \
-		$(CARGO) test --release --test integration -- spanner::spanner_payments_exactly_once spanner::spanner_lease_and_ack spanner::spanner_writes_scans_and_atomicity
+		$(CARGO) test $(TEST_PROFILE) --test integration -- spanner::spanner_payments_exactly_once spanner::spanner_lease_and_ack spanner::spanner_writes_scans_and_atomicity
 
 ## test-build: the host and every test binary, built but not run
 test-build:
-	$(CARGO) test --release --workspace --no-run
+	$(CARGO) test $(TEST_PROFILE) --workspace --no-run
 
 ## chaos: the long chaos runs (tests/chaos.rs): on SQLite 100,000 messages,
 ## hosts SIGKILLed at random for two minutes; on the Spanner emulator 1,000
@@ -117,11 +121,11 @@ test-build:
 chaos: guests
 	ONCEQ_CHAOS_MESSAGES=$${ONCEQ_CHAOS_MESSAGES:-100000} ONCEQ_CHAOS_SECONDS=$${ONCEQ_CHAOS_SECONDS:-120} \
 	ONCEQ_CHAOS_SPANNER_MESSAGES=$${ONCEQ_CHAOS_SPANNER_MESSAGES:-1000} ONCEQ_CHAOS_SPANNER_SECONDS=$${ONCEQ_CHAOS_SPANNER_SECONDS:-120} \
-		tests/with-spanner-emulator.sh $(CARGO) test --release --test integration -- chaos:: --nocapture --test-threads 1
+		tests/with-spanner-emulator.sh $(CARGO) test $(TEST_PROFILE) --test integration -- chaos:: --nocapture --test-threads 1
 
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests
-	tests/with-spanner-emulator.sh $(CARGO) bench --bench pipeline
+	tests/with-spanner-emulator.sh $(CARGO) bench --profile release --bench pipeline
 
 ## lint: clippy (unwrap/expect/panic denied outside tests) and rustfmt
 lint:

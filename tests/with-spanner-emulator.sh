@@ -4,7 +4,7 @@
 # both answer, export where they are, run the command, and stop the whole
 # group by pid on exit, also when the command fails.
 #
-#   tests/with-spanner-emulator.sh cargo test --release
+#   tests/with-spanner-emulator.sh cargo test --profile bench
 #
 # Exports SPANNER_EMULATOR_HOST (gRPC, read by Google's client) and
 # ONCEQ_SPANNER_ADMIN_ENDPOINT (REST admin, gateway_main).
