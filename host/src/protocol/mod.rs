@@ -2,7 +2,8 @@
 //! [`Handler`] against any [`Store`].
 //!
 //! 1. **Lease** a batch (`Store::message_lease`): database time, new token,
-//!    attempt + 1.
+//!    attempt + 1. The workers of a queue that ask at the same time share
+//!    one lease transaction (`lease.rs`).
 //! 2. **Handle** inside a message transaction: the handler reads through a
 //!    [`ReadScope`] served by the transaction.
 //! 3. **Apply + ack**: check the effects against grants, schema and limits;
@@ -39,6 +40,7 @@
 //!
 //! - `worker.rs`: the worker loop (lease a batch, process it, release at
 //!   shutdown, back off while the queue is empty);
+//! - `lease.rs`: the workers' lease requests, served by one transaction;
 //! - `renew.rs`: lease renewal of the messages of a batch;
 //! - `attempt.rs`: one message to its outcome (steps 2-5);
 //! - `retry.rs`: the re-run and backoff rules ([`Policy::rerun`],
@@ -51,6 +53,7 @@
 mod attempt;
 pub mod effects;
 pub mod handler;
+mod lease;
 pub mod metrics;
 mod renew;
 pub mod retry;
@@ -145,6 +148,8 @@ pub struct QueueRunner {
     /// Held by the one worker polling an idle queue; holds the backoff
     /// ([`worker`]).
     poll_gate: tokio::sync::Mutex<Duration>,
+    /// The workers' lease requests, served together ([`lease`]).
+    leases: lease::LeaseGroup,
 }
 
 enum AttemptError {
@@ -164,6 +169,7 @@ impl QueueRunner {
             idle: Arc::new(tokio::sync::Notify::new()),
             drained: AtomicBool::new(false),
             poll_gate: tokio::sync::Mutex::new(worker::IDLE_BACKOFF_MIN),
+            leases: lease::LeaseGroup::default(),
         }
     }
 

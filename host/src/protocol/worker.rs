@@ -3,7 +3,8 @@
 //! shutdown, back off while the queue is empty.
 //!
 //! A worker leases no more messages than it finishes, at its measured pace,
-//! in a third of the lease ([`Pace`]), up to the queue's `batch`. So the
+//! in a third of the lease ([`Pace`]), up to the queue's `batch`; workers
+//! asking at the same time share one lease transaction ([`super::lease`]). So the
 //! messages of a batch are done before their first renewal is due, and
 //! messages the worker could not start soon stay on the queue for other
 //! workers and hosts instead of waiting, renewed, in its batch. Measured on
@@ -20,7 +21,7 @@
 //! about 30% of a core, three idle hosts 83%.
 
 use super::{jittered, sleep_or_shutdown, QueueRunner};
-use crate::store::{LeaseParams, LeasedMessage};
+use crate::store::LeasedMessage;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,18 +77,17 @@ impl QueueRunner {
             }
             let leased_at = Instant::now();
             let leased = self
-                .store
-                .message_lease(LeaseParams {
-                    queue: self.spec.name.clone(),
-                    limit: pace.limit(p.batch, p.lease),
-                    lease: p.lease,
-                })
+                .leases
+                .lease(self.store.as_ref(), &self.spec.name, pace.limit(p.batch, p.lease), p.lease)
                 .await;
-            let batch = match leased {
+            let batch = match leased.share {
                 Ok(b) => b,
                 Err(e) => {
-                    self.metrics.store_error(&e);
-                    warn!(queue = %self.spec.name, class = e.class(), "lease failed: {e}");
+                    // The worker that ran the lease reports it, once.
+                    if leased.led {
+                        self.metrics.store_error(&e);
+                        warn!(queue = %self.spec.name, class = e.class(), "lease failed: {e}");
+                    }
                     sleep_or_shutdown(&mut shutdown, jittered(p.poll_max)).await;
                     continue;
                 }

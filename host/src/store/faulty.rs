@@ -31,6 +31,9 @@ pub struct FaultPlan {
     /// Every handler read waits this long before it answers (a database
     /// that stops answering mid-transaction).
     pub read_delay: Option<Duration>,
+    /// Every lease waits this long before it runs (a slow store: tests of
+    /// lease coalescing).
+    pub lease_delay: Option<Duration>,
     /// Every handler read fails with this error.
     pub read_error: Option<StoreError>,
     /// RNG seed, so a failing run can be replayed.
@@ -122,6 +125,7 @@ impl Store for FaultyStore {
     }
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
         self.injector.counts.leases.fetch_add(1, Ordering::Relaxed);
+        hang(self.injector.plan.lease_delay).await;
         self.inner.message_lease(params).await
     }
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {

@@ -309,6 +309,25 @@ pub trait Store: Send + Sync + 'static {
     /// token, make it invisible until now + lease, count the attempt.
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>>;
 
+    /// [`Store::message_lease`] for as many messages as `collect` returns,
+    /// calling it once the lease can run at once: a store whose transactions
+    /// wait their turn (the Spanner emulator) waits first, so requests made
+    /// meanwhile join this lease (`protocol::lease`). The default collects
+    /// at once.
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        self.message_lease(LeaseParams {
+            queue: queue.to_owned(),
+            limit: collect(),
+            lease,
+        })
+        .await
+    }
+
     /// Extend leases to now + `duration`, each guarded by its token, in one
     /// transaction (a worker renews its whole batch at once). Per lease:
     /// `true` if renewed, `false` if lost (expired and re-leased, or acked).

@@ -757,7 +757,10 @@ impl Pool {
         Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
         T: Send,
     {
+        let asked = tokio::time::Instant::now();
+        let held = TURN_HELD.try_with(|_| ()).is_ok();
         let _turn = match &self.turns {
+            _ if held => None,
             None => None,
             Some(turns) => match turns.take(self.call_timeout).await {
                 Ok(turn) => Some(turn),
@@ -783,7 +786,17 @@ impl Pool {
                     aborts += 1;
                     tokio::time::sleep(abort_pause(aborts)).await;
                 }
-                other => return other,
+                other => {
+                    tracing::trace!(
+                        what,
+                        turn_us = (started - asked).as_micros() as u64,
+                        took_us = started.elapsed().as_micros() as u64,
+                        aborts,
+                        ok = other.is_ok(),
+                        "read-write transaction"
+                    );
+                    return other;
+                }
             }
         }
     }
@@ -1118,8 +1131,34 @@ impl SpannerBatch {
     }
 }
 
+tokio::task_local! {
+    /// Set while a batch commit holds the emulator's turn
+    /// ([`SpannerBatch::commit_collected`]): [`Pool::rw`] takes none of its own.
+    static TURN_HELD: ();
+}
+
 #[async_trait]
 impl commit::BatchCommit for SpannerBatch {
+    /// On the emulator, take the turn first and collect the batch then:
+    /// messages that finished while this host waited for its turn (measured
+    /// with three hosts: 170 ms on average) join this batch instead of
+    /// waiting for the next turn.
+    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+        let Some(turns) = &self.pool.turns else {
+            return self.commit_batch(collect()).await;
+        };
+        match turns.take(self.pool.call_timeout).await {
+            Ok(turn) => {
+                let results = TURN_HELD.scope((), self.commit_batch(collect())).await;
+                drop(turn);
+                results
+            }
+            // Waited a whole call deadline: collect now and let the commit
+            // ask again (it reports the wait if it times out too).
+            Err(_) => self.commit_batch(collect()).await,
+        }
+    }
+
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         let batch = Arc::new(batch);
@@ -1362,6 +1401,32 @@ impl Store for SpannerStore {
             }
         })
         .await
+    }
+
+    /// On the emulator, take the turn first and collect the requests then
+    /// (as [`SpannerBatch::commit_collected`] does for commits).
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        let params = |limit| LeaseParams {
+            queue: queue.to_owned(),
+            limit,
+            lease,
+        };
+        let Some(turns) = &self.pool.turns else {
+            return self.message_lease(params(collect())).await;
+        };
+        match turns.take(self.pool.call_timeout).await {
+            Ok(turn) => {
+                let leased = TURN_HELD.scope((), self.message_lease(params(collect()))).await;
+                drop(turn);
+                leased
+            }
+            Err(_) => self.message_lease(params(collect())).await,
+        }
     }
 
     async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
