@@ -28,6 +28,10 @@
 //! what is queued (up to `commit.max_batch`) and hands every message its
 //! own result; what arrives while a batch commits forms the next batch. A
 //! lone message waits for nothing (`commit.max_wait` is zero by default).
+//! The driver decides when the batch is collected
+//! ([`BatchCommit::commit_collected`]): at once, or on the Spanner
+//! emulator once its transaction's turn came, so what finished during the
+//! wait is in it.
 
 use super::*;
 use std::future::Future;

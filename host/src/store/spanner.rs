@@ -742,6 +742,25 @@ impl SpannerStore {
 }
 
 impl Pool {
+    /// Start `work` once this host's turn at the emulator came, and run it
+    /// holding the turn (its read-write transactions take none of their
+    /// own), so what `work` collects when it starts includes what arrived
+    /// during the wait. Without turns (real Spanner) it starts at once; if
+    /// no turn came within the call deadline, it starts anyway and its
+    /// transactions ask for their own (and report the wait if they time
+    /// out too).
+    async fn in_turn<T, Fut: std::future::Future<Output = T>>(&self, work: impl FnOnce() -> Fut) -> T {
+        let Some(turns) = &self.turns else { return work().await };
+        match turns.take(self.call_timeout).await {
+            Ok(turn) => {
+                let out = TURN_HELD.scope((), work()).await;
+                drop(turn);
+                out
+            }
+            Err(_) => work().await,
+        }
+    }
+
     /// [`SpannerStore::rw`]: a read-write transaction on a lent client,
     /// each attempt under the call deadline.
     ///
@@ -1132,8 +1151,8 @@ impl SpannerBatch {
 }
 
 tokio::task_local! {
-    /// Set while a batch commit holds the emulator's turn
-    /// ([`SpannerBatch::commit_collected`]): [`Pool::rw`] takes none of its own.
+    /// Set while work holds this host's turn at the emulator
+    /// ([`Pool::in_turn`]): [`Pool::rw`] takes none of its own.
     static TURN_HELD: ();
 }
 
@@ -1144,19 +1163,7 @@ impl commit::BatchCommit for SpannerBatch {
     /// with three hosts: 170 ms on average) join this batch instead of
     /// waiting for the next turn.
     async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
-        let Some(turns) = &self.pool.turns else {
-            return self.commit_batch(collect()).await;
-        };
-        match turns.take(self.pool.call_timeout).await {
-            Ok(turn) => {
-                let results = TURN_HELD.scope((), self.commit_batch(collect())).await;
-                drop(turn);
-                results
-            }
-            // Waited a whole call deadline: collect now and let the commit
-            // ask again (it reports the wait if it times out too).
-            Err(_) => self.commit_batch(collect()).await,
-        }
+        self.pool.in_turn(|| self.commit_batch(collect())).await
     }
 
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
@@ -1416,17 +1423,7 @@ impl Store for SpannerStore {
             limit,
             lease,
         };
-        let Some(turns) = &self.pool.turns else {
-            return self.message_lease(params(collect())).await;
-        };
-        match turns.take(self.pool.call_timeout).await {
-            Ok(turn) => {
-                let leased = TURN_HELD.scope((), self.message_lease(params(collect()))).await;
-                drop(turn);
-                leased
-            }
-            Err(_) => self.message_lease(params(collect())).await,
-        }
+        self.pool.in_turn(|| self.message_lease(params(collect()))).await
     }
 
     async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
