@@ -4,9 +4,10 @@
 //! or dead-letter, guarded by the lease token.
 
 use super::metrics::hist_record;
+use super::worker::Slot;
 use super::{effects, retry, AttemptError, HandleOutput, Handler, HandlerFailure, Next, Outcome, QueueRunner, ReadScope, Rerun};
 use crate::store::{DeadLetterParams, LeasedMessage, StoreError};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -14,11 +15,11 @@ use tracing::{debug, info, info_span, warn, Instrument};
 impl QueueRunner {
     /// Process one leased message to its final outcome.
     pub async fn process(&self, lm: &LeasedMessage) -> Outcome {
-        self.process_tracked(lm, &AtomicBool::new(false)).await
+        self.process_tracked(lm, &Slot::default()).await
     }
 
-    /// [`Self::process`], setting `committing` while a commit is in flight.
-    pub(super) async fn process_tracked(&self, lm: &LeasedMessage, committing: &AtomicBool) -> Outcome {
+    /// [`Self::process`], telling `slot` when a commit starts and ends.
+    pub(super) async fn process_tracked(&self, lm: &LeasedMessage, slot: &Slot) -> Outcome {
         let handler = self.handler();
         let version = handler.version().to_string();
         let span = info_span!(
@@ -34,7 +35,7 @@ impl QueueRunner {
         let started = Instant::now();
         let m = &self.metrics;
         m.in_flight.fetch_add(1, Ordering::Relaxed);
-        let outcome = self.process_inner(lm, &*handler, committing).instrument(span.clone()).await;
+        let outcome = self.process_inner(lm, &*handler, slot).instrument(span.clone()).await;
         m.in_flight.fetch_sub(1, Ordering::Relaxed);
         span.record("outcome", tracing::field::debug(&outcome));
         match &outcome {
@@ -68,11 +69,11 @@ impl QueueRunner {
         outcome
     }
 
-    pub(super) async fn process_inner(&self, lm: &LeasedMessage, handler: &dyn Handler, committing: &AtomicBool) -> Outcome {
+    pub(super) async fn process_inner(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Outcome {
         let mut unknown_seen = false;
         let mut reruns = 0u32;
         loop {
-            let err = match self.attempt(lm, handler, committing).await {
+            let err = match self.attempt(lm, handler, slot).await {
                 Ok(()) => return Outcome::Acked,
                 Err(e) => e,
             };
@@ -117,7 +118,7 @@ impl QueueRunner {
     }
 
     /// One run of steps 2-4.
-    pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, committing: &AtomicBool) -> Result<(), AttemptError> {
+    pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Result<(), AttemptError> {
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
@@ -158,9 +159,9 @@ impl QueueRunner {
             }
         };
         tx.message_ack(&lm.lease);
-        committing.store(true, Ordering::Release);
+        slot.commit_started();
         let committed = tx.commit().await;
-        committing.store(false, Ordering::Release);
+        slot.commit_ended();
         committed.map_err(AttemptError::Store)?;
         let m = &self.metrics;
         m.writes.fetch_add(counts.writes, Ordering::Relaxed);

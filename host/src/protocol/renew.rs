@@ -1,70 +1,67 @@
 //! Lease renewal: while a worker holds a batch, the leases of the messages
 //! not yet finished are renewed every third of the lease, so a handler or a
 //! delivery slower than the lease is not handed to another worker. A
-//! renewal that finds the lease gone, or no renewal in time, cancels the
-//! current message's work (its transaction rolls back) unless its commit is
-//! under way: then the commit's own guarded ack decides.
+//! renewal that finds a lease gone, or no renewal in time, cancels that
+//! message's work (its transaction rolls back) unless its commit is under
+//! way: then the commit's own guarded ack decides.
 
+use super::worker::Slot;
 use super::QueueRunner;
 use crate::store::LeasedMessage;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::warn;
 
 impl QueueRunner {
-    /// Renew the leases of `rest` (the current message first) every third
-    /// of the lease. Returns (to cancel the current message's work) once its
-    /// lease is lost or could not be renewed in time, unless its commit is
-    /// under way; otherwise runs until dropped.
-    pub(super) async fn renew_leases(
-        &self,
-        rest: &[LeasedMessage],
-        lost: &[AtomicBool],
-        renewed_at: &mut Instant,
-        committing: &AtomicBool,
-    ) {
+    /// Renew the leases of `batch` every third of the lease, from
+    /// `leased_at`: those of its messages not finished, not lost and not
+    /// committing (`slots`, in the batch's order), together in one
+    /// transaction. Marks a message lost when its lease is gone, or all of
+    /// them when no renewal came in time, and bumps `rounds` after each
+    /// round (the messages' watchers look then). Runs until dropped.
+    pub(super) async fn renew_batch(&self, batch: &[LeasedMessage], slots: &[Slot], leased_at: Instant, rounds: &watch::Sender<u64>) {
         let lease = self.spec.policy.lease;
-        let mut next = *renewed_at + lease / 3;
+        let mut renewed_at = leased_at;
+        let mut next = renewed_at + lease / 3;
         loop {
             tokio::time::sleep_until(next).await;
             let round = Instant::now();
-            // The leases still held, renewed together in one transaction.
-            let due: Vec<usize> = (0..rest.len())
-                .filter(|&j| !(lost[j].load(Ordering::Relaxed) || (j == 0 && committing.load(Ordering::Acquire))))
+            let due: Vec<usize> = (0..batch.len())
+                .filter(|&j| slots.get(j).is_some_and(Slot::needs_renewal))
                 .collect();
-            let leases: Vec<_> = due.iter().filter_map(|&j| rest.get(j).map(|lm| lm.lease.clone())).collect();
-            let all_ok = match self.store.message_lease_renew(&leases, lease).await {
-                Ok(held) => {
-                    for (&j, held) in due.iter().zip(held) {
-                        if held {
-                            self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
-                        } else {
-                            lost[j].store(true, Ordering::Relaxed);
+            let leases: Vec<_> = due.iter().filter_map(|&j| batch.get(j).map(|lm| lm.lease.clone())).collect();
+            let all_ok = leases.is_empty()
+                || match self.store.message_lease_renew(&leases, lease).await {
+                    Ok(held) => {
+                        for (&j, held) in due.iter().zip(held) {
+                            if held {
+                                self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                            } else if let Some(slot) = slots.get(j) {
+                                slot.lost.store(true, Ordering::Relaxed);
+                            }
                         }
+                        true
                     }
-                    true
-                }
-                Err(e) => {
-                    self.metrics.store_error(&e);
-                    warn!(queue = %self.spec.name, leases = leases.len(), class = e.class(), "lease renewal failed (will retry): {e}");
-                    false
-                }
-            };
+                    Err(e) => {
+                        self.metrics.store_error(&e);
+                        warn!(queue = %self.spec.name, leases = leases.len(), class = e.class(), "lease renewal failed (will retry): {e}");
+                        false
+                    }
+                };
             if all_ok {
-                *renewed_at = round;
+                renewed_at = round;
                 next = round + lease / 3;
-            } else if Instant::now() + lease / 10 >= *renewed_at + lease {
+            } else if Instant::now() + lease / 10 >= renewed_at + lease {
                 // No renewal in time: another worker may hold these now.
-                for l in lost {
-                    l.store(true, Ordering::Relaxed);
+                for slot in slots {
+                    slot.lost.store(true, Ordering::Relaxed);
                 }
                 next = Instant::now() + lease / 3;
             } else {
                 next = Instant::now() + lease / 12;
             }
-            if lost[0].load(Ordering::Relaxed) && !committing.load(Ordering::Acquire) {
-                return;
-            }
+            rounds.send_modify(|n| *n += 1);
         }
     }
 }

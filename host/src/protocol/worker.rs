@@ -22,8 +22,11 @@
 
 use super::{jittered, sleep_or_shutdown, QueueRunner};
 use crate::store::LeasedMessage;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -114,26 +117,71 @@ impl QueueRunner {
 
     /// Process a leased batch in order, renewing the leases of the messages
     /// not yet finished in the background; at shutdown, release the rest.
+    ///
+    /// A message starts once the one before it is committing (or done), so
+    /// its handler runs while that commit is in flight: a worker runs one
+    /// handler at a time, and keeps up to [`IN_FLIGHT`] messages going. With
+    /// group commit, the messages waiting for one batch's commit then form
+    /// the next batch: measured with 16 workers, batches of 8 messages
+    /// without it.
     pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) {
-        let lost: Vec<AtomicBool> = batch.iter().map(|_| AtomicBool::new(false)).collect();
-        let mut renewed_at = leased_at;
-        for (i, lm) in batch.iter().enumerate() {
-            if *shutdown.borrow() {
-                for lm in &batch[i..] {
-                    self.release(lm).await;
+        let slots: Vec<Slot> = batch.iter().map(|_| Slot::default()).collect();
+        let (rounds, _) = watch::channel(0u64);
+        let work = async {
+            let mut running: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = Vec::new();
+            let mut next = 0;
+            std::future::poll_fn(|cx| loop {
+                while running.len() < IN_FLIGHT && next < batch.len() {
+                    let before = next.checked_sub(1).and_then(|j| slots.get(j));
+                    if let (Some(lm), Some(slot)) = (batch.get(next), slots.get(next)) {
+                        running.push(Box::pin(self.process_in_batch(lm, slot, before, &rounds, shutdown)));
+                    }
+                    next += 1;
                 }
-                return;
-            }
-            if lost[i].load(Ordering::Relaxed) {
-                self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
-                warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease lost while the message waited in its batch; skipped");
-                continue;
-            }
-            let committing = AtomicBool::new(false);
+                let before = running.len();
+                running.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+                if running.is_empty() && next >= batch.len() {
+                    return Poll::Ready(());
+                }
+                if running.len() == before {
+                    return Poll::Pending;
+                }
+            })
+            .await
+        };
+        tokio::select! {
+            biased;
+            () = work => {}
+            () = self.renew_batch(batch, &slots, leased_at, &rounds) => {}
+        }
+    }
+
+    /// One message of a batch: after `before` (the message ahead of it)
+    /// is committing or done, to its outcome, unless its lease is lost
+    /// first (skipped) or while its handler runs (cancelled: nothing
+    /// commits); released at shutdown.
+    async fn process_in_batch(
+        &self,
+        lm: &LeasedMessage,
+        slot: &Slot,
+        before: Option<&Slot>,
+        rounds: &watch::Sender<u64>,
+        shutdown: &watch::Receiver<bool>,
+    ) {
+        if let Some(before) = before {
+            let _ = before.moved_on.subscribe().wait_for(|moved| *moved).await;
+        }
+        if *shutdown.borrow() {
+            self.release(lm).await;
+        } else if slot.lost.load(Ordering::Relaxed) {
+            self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
+            warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease lost while the message waited in its batch; skipped");
+        } else {
+            let mut rounds = rounds.subscribe();
             tokio::select! {
                 biased;
-                _ = self.process_tracked(lm, &committing) => {}
-                () = self.renew_leases(&batch[i..], &lost[i..], &mut renewed_at, &committing) => {
+                _ = self.process_tracked(lm, slot) => {}
+                _ = rounds.wait_for(|_| slot.lost.load(Ordering::Relaxed) && !slot.committing.load(Ordering::Acquire)) => {
                     self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     warn!(
@@ -144,6 +192,7 @@ impl QueueRunner {
                 }
             }
         }
+        slot.finish();
     }
 
     pub(super) async fn release(&self, lm: &LeasedMessage) {
@@ -156,6 +205,59 @@ impl QueueRunner {
                 warn!(queue = %self.spec.name, message_id = %lm.message.id, class = e.class(), "release failed (the lease will expire): {e}")
             }
         }
+    }
+}
+
+/// Messages of its batch a worker keeps going at once: one handler running,
+/// the message before it committing.
+pub(super) const IN_FLIGHT: usize = 2;
+
+/// Where one message of a worker's batch is, for the worker, its lease
+/// renewal and its attempts.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    /// Its lease is gone (or could not be renewed in time).
+    pub(super) lost: AtomicBool,
+    /// One of its commits is in flight: renewal leaves it alone, its ack
+    /// decides.
+    pub(super) committing: AtomicBool,
+    finished: AtomicBool,
+    /// True once its first commit started or it finished: the message after
+    /// it may start.
+    moved_on: watch::Sender<bool>,
+}
+
+impl Default for Slot {
+    fn default() -> Slot {
+        Slot {
+            lost: AtomicBool::new(false),
+            committing: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            moved_on: watch::channel(false).0,
+        }
+    }
+}
+
+impl Slot {
+    /// A commit of this message starts.
+    pub(super) fn commit_started(&self) {
+        self.committing.store(true, Ordering::Release);
+        self.moved_on.send_replace(true);
+    }
+
+    /// Its commit ended (whatever the result).
+    pub(super) fn commit_ended(&self) {
+        self.committing.store(false, Ordering::Release);
+    }
+
+    fn finish(&self) {
+        self.finished.store(true, Ordering::Relaxed);
+        self.moved_on.send_replace(true);
+    }
+
+    /// Its lease is still to be renewed: not finished, lost or committing.
+    pub(super) fn needs_renewal(&self) -> bool {
+        !(self.finished.load(Ordering::Relaxed) || self.lost.load(Ordering::Relaxed) || self.committing.load(Ordering::Acquire))
     }
 }
 

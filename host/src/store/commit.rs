@@ -200,6 +200,13 @@ pub trait BatchCommit: Send + Sync {
     async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
         self.commit_batch(collect()).await
     }
+
+    /// Its commits block the thread they run on (SQLite's statements and
+    /// fsync): the committer then runs on a thread of its own, not on the
+    /// runtime whose threads run the handlers.
+    fn blocks(&self) -> bool {
+        false
+    }
 }
 
 type Job = (Pending, oneshot::Sender<StoreResult<()>>);
@@ -257,7 +264,13 @@ impl Group {
                             Some(plan) => super::faulty::FaultyBatch::wrap(driver(), plan, self.faults.clone()),
                             None => driver(),
                         };
-                        tokio::spawn(committer(r, driver, self.options, self.batches.clone(), self.messages.clone()));
+                        let blocks = driver.blocks();
+                        let run = committer(r, driver, self.options, self.batches.clone(), self.messages.clone());
+                        if blocks {
+                            on_own_thread(run)?;
+                        } else {
+                            tokio::spawn(run);
+                        }
                         *q = Some(s.clone());
                         s
                     }
@@ -277,6 +290,25 @@ impl Group {
             ))
         })
     }
+}
+
+/// Run a committer whose commits block on a thread of its own, on a
+/// single-threaded runtime there; it ends with the committer (when every
+/// sender is gone). Measured with SQLite (16 workers, 10,000 payments
+/// messages): each batch on tokio's blocking pool instead waited for a
+/// pool thread, then for a runtime thread free of handlers to take its
+/// results, and the committer, the serial part, spent a third of its time
+/// outside its commits.
+fn on_own_thread(run: impl Future<Output = ()> + Send + 'static) -> StoreResult<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| StoreError::Unavailable(format!("could not start the committer's runtime: {e}")))?;
+    std::thread::Builder::new()
+        .name("onceq-committer".into())
+        .spawn(move || rt.block_on(run))
+        .map(drop)
+        .map_err(|e| StoreError::Unavailable(format!("could not start the committer thread: {e}")))
 }
 
 /// The committer: take what is queued (up to `max_batch`, after waiting

@@ -306,4 +306,8 @@ impl commit::BatchCommit for FaultyBatch {
         }
         results
     }
+
+    fn blocks(&self) -> bool {
+        self.inner.blocks()
+    }
 }

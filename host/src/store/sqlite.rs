@@ -565,11 +565,11 @@ impl SqliteStore {
 /// whose write is refused rolls back to its savepoint and gets its own
 /// error; the others commit together, with one fsync.
 ///
-/// It runs on tokio's blocking pool: a commit waits on the write lock and
-/// an fsync (milliseconds on a busy disk), which must not stall the async
-/// workers running handlers. The short statements (lease, renew, retry,
-/// a handler's reads: microseconds each) stay on the async workers; moving
-/// each to the blocking pool would cost more than the statement.
+/// Its statements and fsync block: the committer runs them on a thread of
+/// its own ([`commit::BatchCommit::blocks`]), so they never stall the
+/// runtime's threads running handlers. The short statements (lease, renew,
+/// retry, a handler's reads: microseconds each) stay on the async workers;
+/// moving each to another thread would cost more than the statement.
 ///
 /// The committer holds the store weakly: dropping the store stops it.
 struct SqliteBatch(std::sync::Weak<Inner>);
@@ -577,18 +577,18 @@ struct SqliteBatch(std::sync::Weak<Inner>);
 #[async_trait]
 impl commit::BatchCommit for SqliteBatch {
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
-        let n = batch.len();
         let Some(inner) = self.0.upgrade() else {
-            return (0..n)
+            return batch
+                .iter()
                 .map(|_| Err(StoreError::Unavailable("the store was closed".into())))
                 .collect();
         };
-        match tokio::task::spawn_blocking(move || inner.commit_batch(batch)).await {
-            Ok(results) => results,
-            Err(e) => (0..n)
-                .map(|_| Err(StoreError::UnknownOutcome(format!("the commit thread failed: {e}"))))
-                .collect(),
-        }
+        let mut conn = inner.writer.lock().await;
+        inner.commit_batch(&mut conn, batch)
+    }
+
+    fn blocks(&self) -> bool {
+        true
     }
 }
 
@@ -606,9 +606,8 @@ fn write_on<T>(conn: &mut Connection, f: impl FnOnce(&Connection) -> StoreResult
 }
 
 impl Inner {
-    fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+    fn commit_batch(&self, conn: &mut Connection, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let all = |e: StoreError| batch.iter().map(|_| Err(e.clone())).collect::<Vec<_>>();
-        let mut conn = self.writer.blocking_lock();
         let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
             Ok(tx) => tx,
             Err(e) => return all(classify(e)),
