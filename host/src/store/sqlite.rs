@@ -667,13 +667,30 @@ impl Inner {
     /// system has the write): only an OS crash or a power cut can. Measured:
     /// with 16 workers, leases were a third of all fsyncs, each stalling an
     /// async worker thread (10,000 messages: 1,486 fsyncs instead of ~2,100).
-    async fn write_undurable<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+    ///
+    /// It runs on the committer's thread, between two batches
+    /// ([`commit::Group::run`]).
+    async fn write_undurable<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    ) -> StoreResult<T> {
+        let inner = self.clone();
+        let weak = Arc::downgrade(self);
+        let driver = move || Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>;
+        self.group
+            .run(driver, async move {
+                let mut conn = inner.writer.lock().await;
+                inner.undurable(&mut conn, f)
+            })
+            .await
+    }
+
+    fn undurable<T>(&self, conn: &mut Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
         let full = self.options.sqlite_synchronous.eq_ignore_ascii_case("full");
-        let mut conn = self.writer.lock().await;
         if full {
             conn.execute_batch("PRAGMA synchronous = NORMAL").map_err(classify)?;
         }
-        let out = write_on(&mut conn, f);
+        let out = write_on(conn, f);
         if full {
             if let Err(e) = conn.execute_batch("PRAGMA synchronous = FULL") {
                 // Never leave the writer undurable for the commits after.
@@ -739,7 +756,7 @@ impl Store for SqliteStore {
         let token = random_id();
         let mut leased = self
             .inner
-            .write_undurable(|c| {
+            .write_undurable(move |c| {
                 let mut stmt = c
                     .prepare_cached(&format!(
                         "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + ?2, attempt = attempt + 1
@@ -777,8 +794,9 @@ impl Store for SqliteStore {
 
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
         let sql = format!("UPDATE onceq_messages SET visible_at = {NOW} + ?3 WHERE id = ?1 AND lease_token = ?2");
+        let leases = leases.to_vec();
         self.inner
-            .write_undurable(|c| {
+            .write_undurable(move |c| {
                 let mut stmt = c.prepare_cached(&sql).map_err(classify)?;
                 leases
                     .iter()
