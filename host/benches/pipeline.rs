@@ -721,6 +721,32 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
         "| group commit: 4 workers / 1 worker | {:.2} | >= 1.5 |",
         g4.msgs_per_s / g1.msgs_per_s
     );
+
+    // Memory with 1,024 messages in flight: 64 workers leasing 16 each.
+    let before = status_mib("VmRSS:");
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok(); // resets VmHWM
+    let r = pipeline_with(dir, "rss.db", wasm.clone(), n, 64, opts(64)).await;
+    match (before, status_mib("VmHWM:")) {
+        (Some(before), Some(peak)) if reset => println!(
+            "\nhost RSS with 1,024 messages in flight (64 workers leasing 16 each, {:.0} msg/s): peak {peak:.0} MiB, {before:.0} MiB before (this whole bench process; target <= 150 MiB)",
+            r.msgs_per_s
+        ),
+        _ => println!("\nhost RSS: not measured (needs Linux /proc)"),
+    }
+}
+
+/// A size line of `/proc/self/status` (`VmRSS:`, `VmHWM:`) in MiB.
+fn status_mib(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
 }
 
 fn main() {

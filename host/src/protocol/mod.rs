@@ -5,7 +5,8 @@
 //!    attempt + 1. The workers of a queue that ask at the same time share
 //!    one lease transaction (`lease.rs`).
 //! 2. **Handle** inside a message transaction: the handler reads through a
-//!    [`ReadScope`] served by the transaction.
+//!    [`ReadScope`] served by the transaction. A worker handles the next
+//!    message of its batch while the previous one commits (`worker.rs`).
 //! 3. **Apply + ack**: check the effects against grants, schema and limits;
 //!    buffer the writes, outbox intents and follow-ups; buffer the ack
 //!    (delete the message, guarded by its lease token, asserting one row).

@@ -1,6 +1,9 @@
 //! The worker loop: lease a batch, process it in order with the leases of
 //! the waiting messages renewed ([`super::renew`]), release what is left at
-//! shutdown, back off while the queue is empty.
+//! shutdown, back off while the queue is empty. A worker runs one handler
+//! at a time and starts its next message once the previous one is
+//! committing, so with group commit its handler runs while that commit is
+//! in flight ([`IN_FLIGHT`]).
 //!
 //! A worker leases no more messages than it finishes, at its measured pace,
 //! in a third of the lease ([`Pace`]), up to the queue's `batch`; workers
@@ -339,6 +342,47 @@ mod tests {
         assert_eq!(rows(&base).await, 8);
         tx.send(true).unwrap();
         running.await.unwrap();
+    }
+
+    /// A worker's next message runs its handler while the previous one
+    /// commits, one handler at a time, and the messages still commit in
+    /// order of their batch.
+    #[tokio::test(start_paused = true)]
+    async fn the_next_message_is_handled_while_the_previous_one_commits() {
+        let (_dir, base) = store();
+        let plan = FaultPlan {
+            commit_delay: Some(Duration::from_secs(1)),
+            ..FaultPlan::default()
+        };
+        let (faulty, _) = FaultyStore::new(base.clone(), plan);
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let lease = Duration::from_secs(30);
+        let batch = leased(&store, 4, lease).await;
+        // A 1 s handler that counts how many of it run at once.
+        let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (now, peak) = (running.clone(), most.clone());
+        let inner = slow_writer(Duration::from_secs(1));
+        let handler = Arc::new(crate::protocol::NativeHandler::new("counting", move |m, scope| {
+            let (now, peak, inner) = (now.clone(), peak.clone(), inner.clone());
+            async move {
+                peak.fetch_max(now.fetch_add(1, Relaxed) + 1, Relaxed);
+                let out = inner.handle(&m, scope).await;
+                now.fetch_sub(1, Relaxed);
+                out
+            }
+        }));
+        let r = runner(&store, handler, lease);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let started = tokio::time::Instant::now();
+        r.process_batch(&batch, started, &rx).await;
+        assert_eq!(r.metrics.processed.load(Relaxed), 4);
+        assert_eq!(rows(&base).await, 4);
+        assert_eq!(most.load(Relaxed), 1, "one handler at a time");
+        // One after the other: 4 x (1 s handler + 1 s commit) = 8 s. Each
+        // handler after the first runs during the commit before it: 5 s.
+        let took = started.elapsed();
+        assert!(took >= Duration::from_secs(5) && took < Duration::from_secs(6), "{took:?}");
     }
 
     const MS: Duration = Duration::from_millis(1);

@@ -24,10 +24,12 @@
 //! which is then committed again one message at a time.
 //!
 //! [`Group`] collects the pendings of concurrent transactions and commits
-//! them together ("group commit"): one committer task per store commits
-//! what is queued (up to `commit.max_batch`) and hands every message its
-//! own result; what arrives while a batch commits forms the next batch. A
-//! lone message waits for nothing (`commit.max_wait` is zero by default).
+//! them together ("group commit"): one committer per store commits what is
+//! queued (up to `commit.max_batch`) and hands every message its own
+//! result; what arrives while a batch commits forms the next batch. A lone
+//! message waits for nothing (`commit.max_wait` is zero by default). A
+//! store whose commits block (SQLite) gets a committer thread of its own,
+//! and runs its leases there too, between batches ([`Group::run`]).
 //! The driver decides when the batch is collected
 //! ([`BatchCommit::commit_collected`]): at once, or on the Spanner
 //! emulator once its transaction's turn came, so what finished during the
@@ -218,13 +220,13 @@ enum Job {
     Run(Pin<Box<dyn Future<Output = ()> + Send>>),
 }
 
-/// Group commit: see the module docs. One committer task per store takes
+/// Group commit: see the module docs. One committer per store takes
 /// what is queued (up to `max_batch`) and commits it while the workers go
 /// on handling messages; a worker waits only for its own message's result.
 pub struct Group {
     options: CommitOptions,
     /// The committer's queue, made (and the committer started) on first use
-    /// in the caller's tokio runtime; made anew if that committer is gone.
+    /// (on its own thread, or in the caller's tokio runtime); made anew if that committer is gone.
     queue: Mutex<Option<mpsc::UnboundedSender<Job>>>,
     /// Batches committed and messages in them (for `make bench`).
     pub batches: Arc<std::sync::atomic::AtomicU64>,

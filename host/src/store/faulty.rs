@@ -34,6 +34,9 @@ pub struct FaultPlan {
     /// Every lease waits this long before it runs (a slow store: tests of
     /// lease coalescing).
     pub lease_delay: Option<Duration>,
+    /// Every message commit waits this long before it runs (a slow disk or
+    /// database: tests of work overlapping commits).
+    pub commit_delay: Option<Duration>,
     /// Every handler read fails with this error.
     pub read_error: Option<StoreError>,
     /// RNG seed, so a failing run can be replayed.
@@ -221,6 +224,7 @@ impl Transaction for FaultyTransaction {
         self.inner.message_ack(lease)
     }
     async fn commit(self: Box<Self>) -> StoreResult<()> {
+        hang(self.injector.plan.commit_delay).await;
         match self.injector.draw() {
             Fault::None => self.inner.commit().await,
             Fault::AfterCommit => {
