@@ -119,6 +119,7 @@ impl QueueRunner {
 
     /// One run of steps 2-4.
     pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Result<(), AttemptError> {
+        let turn = slot.handler_turn().await;
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
@@ -159,6 +160,7 @@ impl QueueRunner {
             }
         };
         tx.message_ack(&lm.lease);
+        drop(turn); // the worker's next message may run its handler now
         slot.commit_started();
         let committed = tx.commit().await;
         slot.commit_ended();

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -128,7 +128,8 @@ impl QueueRunner {
     /// the next batch: measured with 16 workers, batches of 8 messages
     /// without it.
     pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) {
-        let slots: Vec<Slot> = batch.iter().map(|_| Slot::default()).collect();
+        let turn = Arc::new(Semaphore::new(1));
+        let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
         let (rounds, _) = watch::channel(0u64);
         let work = async {
             let mut running: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = Vec::new();
@@ -228,20 +229,36 @@ pub(crate) struct Slot {
     /// True once its first commit started or it finished: the message after
     /// it may start.
     moved_on: watch::Sender<bool>,
+    /// The worker's handler turn, shared by the slots of a batch: held from
+    /// an attempt's start to its commit, so a worker never runs two
+    /// handlers at once (a re-run waits for the next message's handler),
+    /// nor holds more than one live instance (`runtime.max_instances`).
+    turn: Arc<Semaphore>,
 }
 
 impl Default for Slot {
     fn default() -> Slot {
+        Slot::taking_turns(Arc::new(Semaphore::new(1)))
+    }
+}
+
+impl Slot {
+    fn taking_turns(turn: Arc<Semaphore>) -> Slot {
         Slot {
             lost: AtomicBool::new(false),
             committing: AtomicBool::new(false),
             finished: AtomicBool::new(false),
             moved_on: watch::channel(false).0,
+            turn,
         }
     }
-}
 
-impl Slot {
+    /// Wait for the worker's handler turn (see `turn`); `None` if the turn
+    /// is closed, which never happens (then no turn is taken).
+    pub(super) async fn handler_turn(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.turn.acquire().await.ok()
+    }
+
     /// A commit of this message starts.
     pub(super) fn commit_started(&self) {
         self.committing.store(true, Ordering::Release);
