@@ -29,7 +29,9 @@ fn tally_rows(db: &rusqlite::Connection) -> Vec<(String, i64, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn versions_swapped_under_load_process_every_message_once_by_one_version() {
     let db = TestDb::new(TALLY_SQL);
-    let n = 2000;
+    // Enough to keep the workers busy through several swaps on a fast
+    // machine (2,000 drained in a third of a second here).
+    let n = 10_000;
     db.send("tally", (0..n).map(|i| format!("{{\"i\": {i}}}"))).await;
     let state = db.dir.path().join("state");
     let cfg = Config::parse(

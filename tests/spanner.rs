@@ -166,8 +166,8 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
                 max_batch: 64,
                 max_wait: Duration::from_millis(20),
                 faults: Some(BatchFaults {
-                    after_commit: 0.25,
-                    before_commit: 0.25,
+                    after_commit: 0.3,
+                    before_commit: 0.3,
                     seed: 9,
                 }),
             },
@@ -178,7 +178,7 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
     // An account per order: no message of a batch reads what another one
     // writes (that aborts it, and a batch with an aborted message is not
     // counted as landed), so the faults fall on whole batches.
-    let n = 80;
+    let n = 160;
     seed_accounts(store.as_ref(), n, BALANCE).await;
     send_orders(store.as_ref(), n, n).await;
     let rt = runtime();

@@ -126,7 +126,8 @@ impl QueueRunner {
     /// handler at a time, and keeps up to [`IN_FLIGHT`] messages going. With
     /// group commit, the messages waiting for one batch's commit then form
     /// the next batch: measured with 16 workers, batches of 8 messages
-    /// without it.
+    /// when a worker waited for each commit, 14 with two messages going,
+    /// 23 with four.
     pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) {
         let turn = Arc::new(Semaphore::new(1));
         let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
@@ -213,8 +214,12 @@ impl QueueRunner {
 }
 
 /// Messages of its batch a worker keeps going at once: one handler running,
-/// the message before it committing.
-pub(super) const IN_FLIGHT: usize = 2;
+/// the ones before it committing. Measured (SQLite, 10,000 payments
+/// messages, interleaved runs): four against two, 1 worker +16-29%, 16
+/// workers +14-27%; the demo (4 workers) +9-36%, with 1.9% of messages
+/// aborted and re-run against 1.1% (a message that read what a message
+/// before it writes re-runs).
+pub(super) const IN_FLIGHT: usize = 4;
 
 /// Where one message of a worker's batch is, for the worker, its lease
 /// renewal and its attempts.
