@@ -224,7 +224,7 @@ pub(super) const IN_FLIGHT: usize = 4;
 /// Where one message of a worker's batch is, for the worker, its lease
 /// renewal and its attempts.
 #[derive(Debug)]
-pub(crate) struct Slot {
+pub(super) struct Slot {
     /// Its lease is gone (or could not be renewed in time).
     pub(super) lost: AtomicBool,
     /// One of its commits is in flight: renewal leaves it alone, its ack

@@ -567,12 +567,21 @@ impl SqliteStore {
 ///
 /// Its statements and fsync block: the committer runs them on a thread of
 /// its own ([`commit::BatchCommit::blocks`]), so they never stall the
-/// runtime's threads running handlers. The short statements (lease, renew,
-/// retry, a handler's reads: microseconds each) stay on the async workers;
-/// moving each to another thread would cost more than the statement.
+/// runtime's threads running handlers. Leases and renewals run there too,
+/// between batches ([`Inner::write_undurable`]); the other short
+/// statements (retry, release, a handler's reads: microseconds each) stay
+/// on the async workers.
 ///
 /// The committer holds the store weakly: dropping the store stops it.
 struct SqliteBatch(std::sync::Weak<Inner>);
+
+impl SqliteBatch {
+    /// What [`commit::Group`] starts its committer with, if it has none.
+    fn driver(inner: &Arc<Inner>) -> impl Fn() -> Arc<dyn commit::BatchCommit> {
+        let weak = Arc::downgrade(inner);
+        move || Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>
+    }
+}
 
 #[async_trait]
 impl commit::BatchCommit for SqliteBatch {
@@ -675,10 +684,8 @@ impl Inner {
         f: impl FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     ) -> StoreResult<T> {
         let inner = self.clone();
-        let weak = Arc::downgrade(self);
-        let driver = move || Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>;
         self.group
-            .run(driver, async move {
+            .run(SqliteBatch::driver(self), async move {
                 let mut conn = inner.writer.lock().await;
                 inner.undurable(&mut conn, f)
             })
@@ -1169,11 +1176,7 @@ impl Transaction for SqliteTransaction {
         // await below.
         let inner = self.inner.clone();
         drop(self);
-        let weak = Arc::downgrade(&inner);
-        inner
-            .group
-            .commit(|| Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>, pending)
-            .await
+        inner.group.commit(SqliteBatch::driver(&inner), pending).await
     }
 
     async fn rollback(mut self: Box<Self>) {
