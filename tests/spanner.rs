@@ -75,6 +75,23 @@ async fn spanner_batched_commits_isolate_each_message() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_batched_dedup_keys_and_scans() {
+    let (store, _) = spanner_db(
+        SCHEMA_SPANNER,
+        StoreOptions {
+            commit: onceq::store::commit::CommitOptions {
+                max_batch: 64,
+                max_wait: Duration::from_millis(300),
+                faults: None,
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    suite::batched_dedup_keys_and_scans(store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_delayed_messages_in_due_order() {
     suite::delayed_messages_become_visible_in_due_order(db().await).await
 }

@@ -94,3 +94,19 @@ async fn sqlite_batched_commits_isolate_each_message() {
     );
     suite::batched_commits_isolate_each_message(db.store).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_batched_dedup_keys_and_scans() {
+    let db = TestDb::with_options(
+        suite::SCHEMA_SQLITE,
+        StoreOptions {
+            commit: onceq::store::commit::CommitOptions {
+                max_batch: 64,
+                max_wait: Duration::from_millis(200),
+                faults: None,
+            },
+            ..Default::default()
+        },
+    );
+    suite::batched_dedup_keys_and_scans(db.store).await
+}

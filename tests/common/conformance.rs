@@ -612,3 +612,83 @@ pub async fn batched_commits_isolate_each_message(store: Arc<dyn Store>) {
     let stats = s.stats().await.unwrap();
     assert_eq!(stats.queues.iter().find(|x| x.queue == "b").unwrap().processed, 4);
 }
+
+/// One batch (the store is set to group commits) of three messages that
+/// send with dedup keys and scan: a key claimed by an earlier message of
+/// the batch drops a later message's send of it, as if committed one after
+/// the other; a scan over rows an earlier message of the batch wrote is
+/// aborted (re-run on fresh data) and sends nothing; a read of a missing
+/// row and a scan of rows nobody wrote commit.
+pub async fn batched_dedup_keys_and_scans(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    let pairs = table(s, "pairs");
+    let w = |a: &str, n: i64| {
+        pairs
+            .check_write(&RowWrite {
+                table: "pairs".into(),
+                op: WriteOp::Upsert,
+                columns: vec![
+                    ("a".to_string(), Value::String(a.into())),
+                    ("n".to_string(), Value::Int64(n)),
+                    ("v".to_string(), Value::String("x".into())),
+                ],
+            })
+            .unwrap()
+    };
+    let mut tx = s.transaction_begin().await.unwrap();
+    tx.row_write(w("s", 0));
+    tx.row_write(w("s", 1));
+    tx.commit().await.unwrap();
+    s.message_send((0..3).map(|i| send("d", &format!("m{i}"))).collect()).await.unwrap();
+    let mut ms = lease(s, "d", 3, 60_000).await;
+    assert_eq!(ms.len(), 3);
+    ms.sort_by(|a, b| a.message.payload.cmp(&b.message.payload));
+    let keyed = |key: &str, from: &str| SendParams {
+        dedup_key: Some(key.into()),
+        ..send("out", &format!("{key} from {from}"))
+    };
+
+    // m0 scans s (two rows), writes s/5, claims k1.
+    let mut t0 = s.transaction_begin().await.unwrap();
+    assert_eq!(t0.row_scan(&pairs, &[Value::String("s".into())], 10).await.unwrap().len(), 2);
+    t0.row_write(w("s", 5));
+    t0.message_enqueue(keyed("k1", "m0"));
+    t0.message_ack(&ms[0].lease);
+    // m1 reads a missing row, sends k1 (claimed by m0 first) and k2.
+    let mut t1 = s.transaction_begin().await.unwrap();
+    let missing = [Value::String("nobody".into()), Value::Int64(0)];
+    assert!(t1.row_get(&pairs, &missing).await.unwrap().is_none());
+    t1.message_enqueue(keyed("k1", "m1"));
+    t1.message_enqueue(keyed("k2", "m1"));
+    t1.message_ack(&ms[1].lease);
+    // m2 scans s too (m0 writes s/5 before it) and sends k3.
+    let mut t2 = s.transaction_begin().await.unwrap();
+    assert_eq!(t2.row_scan(&pairs, &[Value::String("s".into())], 10).await.unwrap().len(), 2);
+    t2.message_enqueue(keyed("k3", "m2"));
+    t2.message_ack(&ms[2].lease);
+
+    let (r0, r1, r2) = tokio::join!(t0.commit(), t1.commit(), t2.commit());
+    assert!(r0.is_ok(), "m0: {r0:?}");
+    assert!(r1.is_ok(), "m1: {r1:?}");
+    assert!(
+        matches!(r2, Err(StoreError::Aborted(_))),
+        "m2 scanned rows m0 wrote in the same batch: {r2:?}"
+    );
+    let mut sent: Vec<String> = s
+        .message_list(Queues::Named("out"), 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
+        .collect();
+    sent.sort();
+    assert_eq!(sent, ["k1 from m0", "k2 from m1"], "each key sent once, by its first claimer; nothing of m2");
+    let left: Vec<String> = s
+        .message_list(Queues::Named("d"), 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
+        .collect();
+    assert_eq!(left, ["m2"], "the aborted message stays on its queue");
+}
