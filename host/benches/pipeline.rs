@@ -784,6 +784,10 @@ fn main() {
             hosts_on_emulator(dir.path(), &component, ns).await;
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("cli") {
+            tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("emulator") {
             on_emulator(wasm.clone(), env_usize("ONCEQ_BENCH_SPANNER_MESSAGES", 300)).await;
             return;
@@ -907,6 +911,7 @@ fn main() {
         );
 
         group_commit(dir.path(), wasm.clone(), n).await;
+        tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
 
@@ -916,6 +921,93 @@ fn main() {
             hosts_on_emulator(dir.path(), &component, ns).await;
         }
     });
+}
+
+/// As a user runs it: `onceq run --until-empty` with default settings
+/// (4 workers, group commit, `synchronous = full`) on a SQLite file with
+/// `n` payments messages queued, intents delivered to a file connector;
+/// the same with `commit.max_batch = 1`; and in the same run the raw loop,
+/// one commit per message and batched. The host's time counts from its
+/// start (the component comes from the folder's compiled cache, warmed by
+/// a first run) to its exit, every intent delivered.
+fn through_the_cli(dir: &Path, component: &Path, n: usize) {
+    // ONCEQ_BENCH_CLI_DIR: work there and keep it (to look at a run).
+    let work = std::env::var_os("ONCEQ_BENCH_CLI_DIR").map_or_else(|| dir.join("cli"), std::path::PathBuf::from);
+    std::fs::create_dir_all(&work).unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let drain = |name: &str, extra: &str, n: usize| -> f64 {
+        let db = work.join(format!("{name}.db"));
+        {
+            let (store, _) = fresh_db(&work, &format!("{name}.db"));
+            rt.block_on(async {
+                let msgs: Vec<SendParams> = (0..n)
+                    .map(|i| SendParams {
+                        queue: "payments".into(),
+                        payload: order_payload(i),
+                        ..Default::default()
+                    })
+                    .collect();
+                for c in msgs.chunks(1000) {
+                    store.message_send(c.to_vec()).await.unwrap();
+                }
+            });
+        }
+        let charges = work.join(format!("{name}.jsonl"));
+        std::fs::write(
+            work.join("onceq.toml"),
+            format!(
+                "store = \"{}\"\n{extra}\n[[queue]]\nname = \"payments\"\nhandler = \"{}\"\n\
+                 tables = [\"accounts\", \"orders\"]\nconnectors = [\"charge\"]\n\n\
+                 [[connector]]\nname = \"charge\"\nkind = \"file\"\npath = \"{}\"\n\n\
+                 [admin]\nlisten = \"127.0.0.1:0\"\n",
+                db.display(),
+                component.display(),
+                charges.display()
+            ),
+        )
+        .unwrap();
+        let started = Instant::now();
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
+            .current_dir(&work)
+            .args(["run", "--until-empty"])
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        let secs = started.elapsed().as_secs_f64();
+        assert!(status.success(), "onceq run failed");
+        if n > 0 {
+            let delivered = std::fs::read_to_string(&charges).unwrap().lines().count();
+            assert!(delivered >= n * 9 / 10, "intents delivered: {delivered} of about {n}");
+        }
+        secs
+    };
+    drain("warm", "", 0); // compiles the component into the folder's cache
+    let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
+    let (mut cli, mut alone, mut raw1, mut raw16, mut raw64) = (f64::MAX, f64::MAX, None, None, None);
+    for r in 0..rounds {
+        // ONCEQ_BENCH_CLI_SETTINGS: onceq.toml lines for the default run (to try settings).
+        let settings = std::env::var("ONCEQ_BENCH_CLI_SETTINGS").unwrap_or_default().replace("\\n", "\n");
+        cli = cli.min(drain(&format!("default-{r}"), &settings, n));
+        alone = alone.min(drain(&format!("alone-{r}"), "[commit]\nmax_batch = 1\n", n));
+        raw1 = best(raw1, raw_sqlite_batched(&work, &format!("raw1-{r}.db"), n, 1));
+        raw16 = best(raw16, raw_sqlite_batched(&work, &format!("raw16-{r}.db"), n, 16));
+        raw64 = best(raw64, raw_sqlite_batched(&work, &format!("raw64-{r}.db"), n, 64));
+    }
+    let [raw1, raw16, raw64] = [raw1, raw16, raw64].map(Option::unwrap);
+    let (cli, alone) = (n as f64 / cli, n as f64 / alone);
+    println!("\n| through the CLI: `onceq run --until-empty`, {n} payments messages, intents to a file connector, best of {rounds} | messages/s |");
+    println!("|---|---|");
+    println!("| onceq, default settings (4 workers, group commit), start to exit | {cli:.0} |");
+    println!("| onceq, `commit.max_batch = 1` | {alone:.0} |");
+    println!("| raw loop, one commit per message (no delivery) | {:.0} |", raw1.msgs_per_s);
+    println!("| raw loop, savepoint per message, commit per 16 (no delivery) | {:.0} |", raw16.msgs_per_s);
+    println!("| raw loop, savepoint per message, commit per 64 (no delivery) | {:.0} |", raw64.msgs_per_s);
+    println!("\n| ratio | value | target |");
+    println!("|---|---|---|");
+    println!("| CLI default / raw batched 16 | {:.2} | >= 0.7 |", cli / raw16.msgs_per_s);
+    println!("| CLI default / raw batched 64 | {:.2} | (issue 10 measured 0.04) |", cli / raw64.msgs_per_s);
+    println!("| CLI default / CLI `commit.max_batch = 1` | {:.2} | >= 4 |", cli / alone);
 }
 
 /// On the Spanner emulator (one read-write transaction at a time), `n`

@@ -46,7 +46,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0.01)]
     pub faults: f64,
     /// Workers per queue.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub workers: usize,
     /// SQLite durability: "full" fsyncs every commit, "normal" at checkpoints
     /// (WAL; safe against crashes of the process, not of the machine).
@@ -102,7 +102,6 @@ kind = "file"
 path = "charges.jsonl"
 
 [outbox]
-workers = 2
 backoff_initial = "50ms"
 backoff_max = "1s"
 "#,

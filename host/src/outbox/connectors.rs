@@ -65,7 +65,7 @@ impl ConnectorConfig {
                 headers,
                 bearer_token_env,
             } => Arc::new(Webhook::new(name, url, *timeout, headers, bearer_token_env.as_deref())?),
-            ConnectorConfig::File { path } => Arc::new(FileConnector { path: path.clone() }),
+            ConnectorConfig::File { path } => Arc::new(FileConnector::new(path.clone())),
             ConnectorConfig::Log => Arc::new(LogConnector),
         })
     }
@@ -254,8 +254,66 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// One JSON object per line, appended and synced to disk before the
 /// intent counts as delivered. A crash between the append and the ack
 /// leaves the line and delivers it again: readers deduplicate by key.
+///
+/// Concurrent deliveries share their syncs (a group fsync): a delivery
+/// whose line an fsync begun after its write covered is done without one
+/// of its own. Measured through `onceq run --until-empty` (20,000
+/// payments messages, 4 outbox workers): with an fsync per line, the
+/// deliveries were what every message waited for.
 pub struct FileConnector {
     path: PathBuf,
+    /// Lines written (a line's ticket is the count after its write).
+    written: std::sync::atomic::AtomicU64,
+    /// Lines known synced; the lock is held by the one fsync running.
+    synced: tokio::sync::Mutex<u64>,
+    /// Fsyncs run.
+    syncs: std::sync::atomic::AtomicU64,
+}
+
+impl FileConnector {
+    pub fn new(path: PathBuf) -> FileConnector {
+        FileConnector {
+            path,
+            written: Default::default(),
+            synced: tokio::sync::Mutex::new(0),
+            syncs: Default::default(),
+        }
+    }
+
+    /// Append `line` (one write: concurrent writers, of this host or
+    /// others, never interleave within a line).
+    async fn append(&self, line: String) -> std::io::Result<()> {
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            if let Some(dir) = path.parent() {
+                if !dir.as_os_str().is_empty() {
+                    std::fs::create_dir_all(dir)?;
+                }
+            }
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+            f.write_all(line.as_bytes())
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+
+    /// Wait until line `ticket` is on disk: synced by an fsync begun after
+    /// it was written, this one's or another delivery's.
+    async fn sync(&self, ticket: u64) -> std::io::Result<()> {
+        let mut synced = self.synced.lock().await;
+        if *synced >= ticket {
+            return Ok(());
+        }
+        // Every line counted now was written before this fsync begins.
+        let upto = self.written.load(std::sync::atomic::Ordering::Acquire);
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || std::fs::OpenOptions::new().append(true).open(&path)?.sync_data())
+            .await
+            .map_err(std::io::Error::other)??;
+        self.syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *synced = upto;
+        Ok(())
+    }
 }
 
 /// A line of the `file` connector's output.
@@ -294,26 +352,13 @@ impl Connector for FileConnector {
     async fn deliver(&self, intent: &Intent) -> Delivery {
         let mut line = file_line(intent).to_string();
         line.push('\n');
-        let path = self.path.clone();
-        let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            if let Some(dir) = path.parent() {
-                if !dir.as_os_str().is_empty() {
-                    std::fs::create_dir_all(dir)?;
-                }
-            }
-            // O_APPEND with one write per line: concurrent writers (several
-            // workers, several hosts) never interleave within a line.
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
-            f.write_all(line.as_bytes())?;
-            f.sync_data()
-        })
-        .await;
-        match written {
-            Ok(Ok(())) => Delivery::Delivered(format!("appended to {}", self.path.display())),
-            Ok(Err(e)) => Delivery::Retry {
-                reason: format!("writing {}: {e}", self.path.display()),
-                after: None,
-            },
+        let written = async {
+            self.append(line).await?;
+            let ticket = self.written.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+            self.sync(ticket).await
+        };
+        match written.await {
+            Ok(()) => Delivery::Delivered(format!("appended to {}", self.path.display())),
             Err(e) => Delivery::Retry {
                 reason: format!("writing {}: {e}", self.path.display()),
                 after: None,
@@ -380,5 +425,43 @@ mod tests {
         assert_eq!(line["metadata"]["m"], "v");
         i.payload = vec![0xff, 0x00];
         assert_eq!(file_line(&i)["payload_base64"], "/wA=");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_file_deliveries_share_their_fsyncs_and_every_line_lands_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out/charges.jsonl");
+        let c = Arc::new(FileConnector::new(path.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        for n in 0..64 {
+            let c = c.clone();
+            tasks.spawn(async move {
+                let i = Intent {
+                    connector: "c".into(),
+                    idempotency_key: format!("k{n}"),
+                    payload: format!(r#"{{"n":{n}}}"#).into_bytes(),
+                    metadata: vec![],
+                    source_queue: "q".into(),
+                    source_message_id: format!("m{n}"),
+                    source_version: None,
+                    id: format!("x{n}"),
+                    attempt: 1,
+                };
+                c.deliver(&i).await
+            });
+        }
+        while let Some(d) = tasks.join_next().await {
+            assert!(matches!(d.unwrap(), Delivery::Delivered(_)));
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut keys: Vec<String> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"].as_str().unwrap().to_string())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), 64, "every line, whole, once");
+        let syncs = c.syncs.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((1..64).contains(&syncs), "64 concurrent deliveries shared fsyncs: {syncs}");
     }
 }

@@ -198,7 +198,7 @@ pub struct OutboxSettings {
 impl Default for OutboxSettings {
     fn default() -> Self {
         OutboxSettings {
-            workers: 4,
+            workers: 16,
             batch: 4,
             lease: Duration::from_secs(30),
             max_attempts: 20,

@@ -83,7 +83,13 @@ pub struct Policy {
     pub backoff_initial: Duration,
     /// Retry delay cap.
     pub backoff_max: Duration,
-    /// Concurrent workers (tokio tasks) on this queue.
+    /// Concurrent workers (tokio tasks) on this queue. The default, 16, by
+    /// measurement (`make bench`, through the CLI, 20,000 payments messages,
+    /// intents to a file connector): with 16 message workers and 16 outbox
+    /// workers 6,900-7,400 msg/s, 4,000 with 4 and 4; each worker holds one
+    /// live instance at most, and the JavaScript and Python payments
+    /// examples ran no slower with 16 (host RSS 100 MiB either way for
+    /// JavaScript, 150 against 106 MiB for Python).
     pub workers: usize,
     /// Messages leased per round trip.
     pub batch: usize,
@@ -101,7 +107,7 @@ impl Default for Policy {
             max_attempts: 5,
             backoff_initial: Duration::from_secs(1),
             backoff_max: Duration::from_secs(300),
-            workers: 4,
+            workers: 16,
             batch: 8,
             max_reruns: 20,
             poll_max: Duration::from_millis(200),
