@@ -59,35 +59,13 @@ async fn spanner_dedup_window() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_batched_commits_isolate_each_message() {
-    let (store, _) = spanner_db(
-        SCHEMA_SPANNER,
-        StoreOptions {
-            commit: onceq::store::commit::CommitOptions {
-                max_batch: 64,
-                max_wait: Duration::from_millis(300),
-                faults: None,
-            },
-            ..Default::default()
-        },
-    )
-    .await;
+    let (store, _) = spanner_db(SCHEMA_SPANNER, batched()).await;
     suite::batched_commits_isolate_each_message(store).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_batched_dedup_keys_and_scans() {
-    let (store, _) = spanner_db(
-        SCHEMA_SPANNER,
-        StoreOptions {
-            commit: onceq::store::commit::CommitOptions {
-                max_batch: 64,
-                max_wait: Duration::from_millis(300),
-                faults: None,
-            },
-            ..Default::default()
-        },
-    )
-    .await;
+    let (store, _) = spanner_db(SCHEMA_SPANNER, batched()).await;
     suite::batched_dedup_keys_and_scans(store).await
 }
 
@@ -301,4 +279,17 @@ async fn spanner_three_hosts_drain_one_queue_exactly_once() {
         per_host.iter().filter(|&&p| p > 0).count() >= 2,
         "the work was shared: {per_host:?}"
     );
+}
+
+/// Commits grouped: a batch waits 300 ms for more, so messages committed
+/// together in a test land in one batch.
+fn batched() -> StoreOptions {
+    StoreOptions {
+        commit: onceq::store::commit::CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::from_millis(300),
+            faults: None,
+        },
+        ..Default::default()
+    }
 }

@@ -81,32 +81,25 @@ fn sqlite_database_is_a_wal_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_batched_commits_isolate_each_message() {
-    let db = TestDb::with_options(
-        suite::SCHEMA_SQLITE,
-        StoreOptions {
-            commit: onceq::store::commit::CommitOptions {
-                max_batch: 64,
-                max_wait: Duration::from_millis(200),
-                faults: None,
-            },
-            ..Default::default()
-        },
-    );
+    let db = TestDb::with_options(suite::SCHEMA_SQLITE, batched());
     suite::batched_commits_isolate_each_message(db.store).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_batched_dedup_keys_and_scans() {
-    let db = TestDb::with_options(
-        suite::SCHEMA_SQLITE,
-        StoreOptions {
-            commit: onceq::store::commit::CommitOptions {
-                max_batch: 64,
-                max_wait: Duration::from_millis(200),
-                faults: None,
-            },
-            ..Default::default()
-        },
-    );
+    let db = TestDb::with_options(suite::SCHEMA_SQLITE, batched());
     suite::batched_dedup_keys_and_scans(db.store).await
+}
+
+/// Commits grouped: a batch waits 200 ms for more, so messages committed
+/// together in a test land in one batch.
+fn batched() -> StoreOptions {
+    StoreOptions {
+        commit: onceq::store::commit::CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::from_millis(200),
+            faults: None,
+        },
+        ..Default::default()
+    }
 }

@@ -682,7 +682,11 @@ pub async fn batched_dedup_keys_and_scans(store: Arc<dyn Store>) {
         .map(|m| String::from_utf8_lossy(&m.payload).to_string())
         .collect();
     sent.sort();
-    assert_eq!(sent, ["k1 from m0", "k2 from m1"], "each key sent once, by its first claimer; nothing of m2");
+    assert_eq!(
+        sent,
+        ["k1 from m0", "k2 from m1"],
+        "each key sent once, by its first claimer; nothing of m2"
+    );
     let left: Vec<String> = s
         .message_list(Queues::Named("d"), 10)
         .await

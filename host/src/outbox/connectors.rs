@@ -456,7 +456,12 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         let mut keys: Vec<String> = text
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"].as_str().unwrap().to_string())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
             .collect();
         keys.sort();
         keys.dedup();

@@ -959,7 +959,8 @@ const KEYS_PER_READ: usize = 256;
 async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], leases: bool) -> google_cloud_spanner::Result<Seen> {
     let mut answers: Vec<Vec<Vec<Row>>> = batch.iter().map(|p| vec![Vec::new(); p.reads.len()]).collect();
     // Point reads by table: (pending, its read), the read.
-    let mut points: BTreeMap<&str, Vec<((usize, usize), &ReadRecord)>> = BTreeMap::new();
+    type Place<'b> = ((usize, usize), &'b ReadRecord);
+    let mut points: BTreeMap<&str, Vec<Place>> = BTreeMap::new();
     for (i, p) in batch.iter().enumerate() {
         for (j, read) in p.reads.iter().enumerate() {
             match read.limit {
@@ -979,7 +980,9 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
         let by_key = !table.key_columns().any(|c| c.ty == ColumnType::Float64);
         let per_read = if by_key { KEYS_PER_READ } else { 1 };
         for chunk in reads.chunks(per_read) {
-            let rs = tx.execute_read(point_read(table, chunk.iter().map(|(_, r)| r.key.as_slice()))).await?;
+            let rs = tx
+                .execute_read(point_read(table, chunk.iter().map(|(_, r)| r.key.as_slice())))
+                .await?;
             for row in collect(table, rs).await.map_err(|e| refused(e.to_string()))? {
                 for ((i, j), read) in chunk {
                     let matches = !by_key
@@ -1011,7 +1014,8 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
         let mut rs = tx.execute_read(read).await?;
         while let Some(r) = rs.next().await {
             let r = r?;
-            seen.leases.insert((r.get::<i64>(0)?, r.get::<String>(1)?), r.get::<Option<String>>(2)?);
+            seen.leases
+                .insert((r.get::<i64>(0)?, r.get::<String>(1)?), r.get::<Option<String>>(2)?);
         }
     }
     let mut keys: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
