@@ -919,6 +919,28 @@ fn main() {
     });
 }
 
+/// The `onceq.toml` of the payments example on `store`, with `extra`
+/// top-level settings, its intents delivered to the file `charges`.
+fn payments_config(store: &str, extra: &str, component: &Path, charges: &str) -> String {
+    format!(
+        "store = \"{store}\"\n{extra}\n[[queue]]\nname = \"payments\"\nhandler = \"{}\"\n\
+         tables = [\"accounts\", \"orders\"]\nconnectors = [\"charge\"]\n\n\
+         [[connector]]\nname = \"charge\"\nkind = \"file\"\npath = \"{charges}\"\n\n\
+         [admin]\nlisten = \"127.0.0.1:0\"\n",
+        component.display()
+    )
+}
+
+/// `onceq run --until-empty` in `work` (its `onceq.toml`), logging errors only.
+fn until_empty(work: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
+    c.current_dir(work)
+        .args(["run", "--until-empty"])
+        .env("RUST_LOG", "error")
+        .stdout(std::process::Stdio::null());
+    c
+}
+
 /// As a user runs it: `onceq run --until-empty` with default settings
 /// (16 workers and 16 outbox workers, group commit, `synchronous = full`) on a SQLite file with
 /// `n` payments messages queued, intents delivered to a file connector;
@@ -938,27 +960,10 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
             rt.block_on(queue_orders(store.as_ref(), n, 1000));
         }
         let charges = work.join(format!("{name}.jsonl"));
-        std::fs::write(
-            work.join("onceq.toml"),
-            format!(
-                "store = \"{}\"\n{extra}\n[[queue]]\nname = \"payments\"\nhandler = \"{}\"\n\
-                 tables = [\"accounts\", \"orders\"]\nconnectors = [\"charge\"]\n\n\
-                 [[connector]]\nname = \"charge\"\nkind = \"file\"\npath = \"{}\"\n\n\
-                 [admin]\nlisten = \"127.0.0.1:0\"\n",
-                db.display(),
-                component.display(),
-                charges.display()
-            ),
-        )
-        .unwrap();
+        let config = payments_config(&db.display().to_string(), extra, component, &charges.display().to_string());
+        std::fs::write(work.join("onceq.toml"), config).unwrap();
         let started = Instant::now();
-        let status = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
-            .current_dir(&work)
-            .args(["run", "--until-empty"])
-            .env("RUST_LOG", "error")
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
+        let status = until_empty(&work).status().unwrap();
         let secs = started.elapsed().as_secs_f64();
         assert!(status.success(), "onceq run failed");
         if n > 0 {
@@ -1065,29 +1070,11 @@ async fn hosts_on_emulator(dir: &Path, component: &Path, n: usize) {
     let work = dir.join("hosts");
     std::fs::create_dir_all(&work).unwrap();
     let drain = |database: &str, hosts: usize| {
-        std::fs::write(
-            work.join("onceq.toml"),
-            format!(
-                "store = \"spanner://{database}\"\n\n[[queue]]\nname = \"payments\"\nhandler = \"{}\"\n\
-                 tables = [\"accounts\", \"orders\"]\nconnectors = [\"charge\"]\n\n\
-                 [[connector]]\nname = \"charge\"\nkind = \"file\"\npath = \"charges.jsonl\"\n\n\
-                 [admin]\nlisten = \"127.0.0.1:0\"\n",
-                component.display()
-            ),
-        )
-        .unwrap();
+        let config = payments_config(&format!("spanner://{database}"), "", component, "charges.jsonl");
+        std::fs::write(work.join("onceq.toml"), config).unwrap();
         let started = Instant::now();
         let running: Vec<_> = (0..hosts)
-            .map(|_| {
-                std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
-                    .current_dir(&work)
-                    .args(["run", "--until-empty"])
-                    .env("RUST_LOG", "error")
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap()
-            })
+            .map(|_| until_empty(&work).stderr(std::process::Stdio::null()).spawn().unwrap())
             .collect();
         for mut h in running {
             assert!(h.wait().unwrap().success(), "a host failed");

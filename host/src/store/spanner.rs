@@ -947,6 +947,15 @@ fn point_read<'k>(table: &TableSchema, keys: impl IntoIterator<Item = &'k [Value
         .build()
 }
 
+/// The primary keys, `(shard, id)`, of the leased messages' rows.
+fn message_keys<'l>(leases: impl IntoIterator<Item = &'l Lease>) -> google_cloud_spanner::key::KeySet {
+    let mut keys = KeySetBuilder::new();
+    for l in leases {
+        keys = keys.add_key(Key::new(vec![SValue::from(l.shard), SValue::from(l.message_id.clone())]));
+    }
+    keys.build()
+}
+
 /// Most keys in one [`point_read`] of a batch.
 const KEYS_PER_READ: usize = 256;
 
@@ -1004,12 +1013,8 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
     };
     let acks: Vec<&Lease> = batch.iter().filter_map(|p| p.ack.as_ref()).collect();
     if leases && !acks.is_empty() {
-        let mut keys = KeySetBuilder::new();
-        for l in &acks {
-            keys = keys.add_key(Key::new(vec![SValue::from(l.shard), SValue::from(l.message_id.clone())]));
-        }
         let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", ["shard", "id", "lease_token"])
-            .with_keys(keys.build())
+            .with_keys(message_keys(acks))
             .build();
         let mut rs = tx.execute_read(read).await?;
         while let Some(r) = rs.next().await {
@@ -1149,11 +1154,7 @@ impl<'t> SpannerExec<'t> {
             // is deleting them guarded. (One `DELETE` of them all is a
             // full scan on the emulator: measured with 2,000 queued, 80-100
             // ms for a batch of 30.)
-            let mut keys = KeySetBuilder::new();
-            for lease in &self.acks {
-                keys = keys.add_key(Key::new(vec![SValue::from(lease.shard), SValue::from(lease.message_id.clone())]));
-            }
-            tx.buffer([Mutation::delete("onceq_messages", keys.build())])?;
+            tx.buffer([Mutation::delete("onceq_messages", message_keys(&self.acks))])?;
         }
         if !self.claims.is_empty() {
             let rows: Vec<String> = (0..self.claims.len())
@@ -1316,18 +1317,18 @@ fn insert_stmts(shards: u32, inserts: &[(String, SendParams)]) -> Vec<(Statement
 /// `onceq_counts` (last in its batch DML): one `UPDATE` per queue, and
 /// [`count_missing`] inserts the rows not there yet.
 fn count_stmts(shard: i64, by_queue: &BTreeMap<&str, i64>) -> Vec<Statement> {
-    by_queue
-        .iter()
-        .map(|(queue, n)| {
-            Statement::builder(format!(
-                "UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s"
-            ))
-            .add_param("n", *n)
-            .add_param("q", queue.to_string())
-            .add_param("s", shard)
-            .build()
-        })
-        .collect()
+    let sql = format!("UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s");
+    by_queue.iter().map(|(queue, n)| count_stmt(&sql, shard, queue, *n)).collect()
+}
+
+/// A statement of `onceq_counts` with its parameters: `@s` this store
+/// instance's shard, `@q` the queue, `@n` the messages processed.
+fn count_stmt(sql: &str, shard: i64, queue: &str, n: i64) -> Statement {
+    Statement::builder(sql)
+        .add_param("n", n)
+        .add_param("q", queue.to_string())
+        .add_param("s", shard)
+        .build()
 }
 
 /// Insert the counts rows whose `UPDATE` changed nothing (a queue's first
@@ -1335,16 +1336,8 @@ fn count_stmts(shard: i64, by_queue: &BTreeMap<&str, i64>) -> Vec<Statement> {
 async fn count_missing(tx: &RwTx, shard: i64, by_queue: &BTreeMap<&str, i64>, updated: &[i64]) -> google_cloud_spanner::Result<()> {
     for ((queue, n), updated) in by_queue.iter().zip(updated) {
         if *updated == 0 {
-            tx.execute_update(
-                Statement::builder(format!(
-                    "INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})"
-                ))
-                .add_param("n", *n)
-                .add_param("q", queue.to_string())
-                .add_param("s", shard)
-                .build(),
-            )
-            .await?;
+            let sql = format!("INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})");
+            tx.execute_update(count_stmt(&sql, shard, queue, *n)).await?;
         }
     }
     Ok(())
@@ -1359,10 +1352,10 @@ async fn count_missing(tx: &RwTx, shard: i64, by_queue: &BTreeMap<&str, i64>, up
 /// decides) or the failure retryable, the batch is then committed again
 /// one message at a time, so only the guilty message gets the error.
 ///
-/// Statements per batch, whatever its size: a query per table read, a read
-/// of the acked messages' leases, a query of the dedup keys, the batch DML
-/// (and an insert the first time a queue's counts row is written), the
-/// commit.
+/// Statements per batch, whatever its size: a read by key per table read
+/// (and a query per scan), a read of the acked messages' leases, a query of
+/// the dedup keys, the batch DML (and an insert the first time a queue's
+/// counts row is written), the commit.
 struct SpannerBatch {
     pool: Arc<Pool>,
     schema: Arc<Schema>,
