@@ -1073,12 +1073,38 @@ async fn hosts_on_emulator(dir: &Path, component: &Path, n: usize) {
         let config = payments_config(&format!("spanner://{database}"), "", component, "charges.jsonl");
         std::fs::write(work.join("onceq.toml"), config).unwrap();
         let started = Instant::now();
+        // ONCEQ_BENCH_HOSTS_LOG=<dir>: each host logs (at RUST_LOG's level,
+        // else info) to <dir>/<hosts>-<i>.log; the last run of each count
+        // is kept.
+        let log = std::env::var_os("ONCEQ_BENCH_HOSTS_LOG").map(std::path::PathBuf::from);
+        let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
         let running: Vec<_> = (0..hosts)
-            .map(|_| until_empty(&work).stderr(std::process::Stdio::null()).spawn().unwrap())
+            .map(|i| {
+                let mut c = until_empty(&work);
+                match &log {
+                    Some(dir) => c
+                        .env("RUST_LOG", &filter)
+                        .stderr(std::fs::File::create(dir.join(format!("{hosts}-{i}.log"))).unwrap()),
+                    None => c.stderr(std::process::Stdio::null()),
+                };
+                c.spawn().unwrap()
+            })
             .collect();
-        for mut h in running {
-            assert!(h.wait().unwrap().success(), "a host failed");
+        let mut running: Vec<_> = running.into_iter().map(Some).collect();
+        let mut exits = Vec::new();
+        while running.iter().any(Option::is_some) {
+            for slot in running.iter_mut() {
+                if let Some(h) = slot {
+                    if let Some(status) = h.try_wait().unwrap() {
+                        assert!(status.success(), "a host failed");
+                        exits.push(started.elapsed().as_secs_f64());
+                        *slot = None;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
+        eprintln!("hosts exited at {exits:.2?} s");
         started.elapsed().as_secs_f64()
     };
     // The first run compiles the component into the folder's cache.
