@@ -1785,15 +1785,15 @@ impl Store for SpannerStore {
                         writes.push(
                             Mutation::new_update_builder("onceq_messages")
                                 .set("shard")
-                                .to(&r.get::<i64>(0)?)
+                                .to(r.get::<i64>(0)?)
                                 .set("id")
                                 .to(&r.get::<String>(1)?)
                                 .set("lease_token")
                                 .to(&token)
                                 .set("visible_at")
-                                .to(&until)
+                                .to(until)
                                 .set("attempt")
-                                .to(&attempt)
+                                .to(attempt)
                                 .build(),
                         );
                         rows.push((r, attempt));
