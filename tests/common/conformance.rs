@@ -75,6 +75,10 @@ pub async fn lease_and_ack(store: Arc<dyn Store>) {
     let rest = lease(s, "q", 10, 10_000).await;
     assert_eq!(rest.len(), 1, "leased messages are invisible");
     assert_eq!(lease(s, "other", 10, 10_000).await.len(), 1, "queues are separate");
+    ack(s, &rest[0].lease).await.unwrap();
+    let stats = s.stats().await.unwrap();
+    let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!(q.processed, 2, "a later ack adds to the count");
 }
 
 pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {

@@ -16,23 +16,24 @@
 //! As on SQLite, reads are optimistic: the handler's reads run in a
 //! read-only (snapshot) transaction and are recorded; the commit is one
 //! read-write transaction for a whole batch of messages (group commit,
-//! [`commit`]). In it, a few statements whatever the batch's size
+//! [`commit`]). In it, a few calls whatever the batch's size
 //! ([`read_ahead`]) read again every recorded read, the acked messages'
-//! lease tokens and the dedup keys the batch claims; each message is then
-//! decided on them, in order ([`commit::apply`]): reads unchanged (also by
-//! an earlier message of the batch), its lease token still there. Only a
-//! decided message keeps writes: its ack (a delete of the message row whose
-//! token it matched) and row writes as mutations, its dedup claims and new
-//! messages in the one batch DML of the batch, each statement's row count
-//! checked. The reads hold their rows' locks until the commit (another
-//! writer of them aborts this transaction or waits), so what was decided
-//! is what commits. A batch of one message acks with
+//! lease tokens, the dedup keys the batch claims, and the database's
+//! clock; each message is then decided on them, in order
+//! ([`commit::apply`]): reads unchanged (also by an earlier message of the
+//! batch), its lease token still there. Only a decided message keeps
+//! writes, all of them mutations applied at the commit: its ack (a delete
+//! of the message row whose token it matched), its row writes, its dedup
+//! claims and new messages. The reads hold their rows' locks until the
+//! commit (another writer of them aborts this transaction or waits), so
+//! what was decided is what commits. A batch of one message acks with
 //! `DELETE ... WHERE ... AND lease_token = @token ASSERT_ROWS_MODIFIED 1`
-//! instead, as onceq did before group commit. A failed statement
-//! (`OUT_OF_RANGE` from the assertion, a refused write, a row count not
-//! the expected one) is returned out of the closure, so the client rolls
-//! the whole transaction back: it is never caught to commit the rest (a
-//! failed batch is committed again one message at a time).
+//! instead, as onceq did before group commit. A failed statement or
+//! mutation (`OUT_OF_RANGE` from the assertion, a refused write, an insert
+//! of a row that exists) is returned out of the closure or fails the
+//! commit, so the whole transaction rolls back: it is never caught to
+//! commit the rest (a failed batch is committed again one message at a
+//! time).
 //!
 //! ## Emulator
 //!
@@ -603,6 +604,25 @@ impl SpannerStore {
         Ok(())
     }
 
+    /// Drop `database` (`projects/P/instances/I/databases/D`), within a
+    /// minute: what the bench does between runs, so that the emulator,
+    /// which slows as databases pile up, measures each run alike.
+    pub async fn drop_database(database: &str) -> anyhow::Result<()> {
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let mut b = spanner.database_admin_builder();
+        if let Some(ep) = admin_endpoint() {
+            b = b.with_endpoint(ep);
+        }
+        let admin = b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))?;
+        tokio::time::timeout(Duration::from_secs(60), admin.drop_database().set_database(database).send())
+            .await
+            .map_err(|_| anyhow::anyhow!("dropping database {database}: no answer within 1m"))?
+            .map_err(|e| anyhow::anyhow!("dropping database {database}: {e}"))
+    }
+
     /// Connect to an existing database.
     pub async fn open(opts: &SpannerOptions, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
         let spanner = Spanner::builder()
@@ -943,6 +963,12 @@ struct Seen {
     /// key): the holding message, and whether its claim is live. Updated as
     /// messages claim and hold, so a later message of the batch sees them.
     dedup: HashMap<(String, String), (String, bool)>,
+    /// The database's clock (microseconds), read in the transaction: the
+    /// times the batch writes (claims, holds, new messages, counts).
+    now: i64,
+    /// This store instance's processed counts, by queue, of the queues
+    /// the batch acks (a queue with no row yet is missing).
+    counts: HashMap<String, i64>,
 }
 
 /// onceq's own failure inside a transaction's closure, as the client's
@@ -950,16 +976,6 @@ struct Seen {
 fn refused(text: String) -> google_cloud_spanner::Error {
     use google_cloud_gax::error::rpc::{Code, Status};
     google_cloud_spanner::Error::service(Status::default().set_code(Code::FailedPrecondition).set_message(text))
-}
-
-/// The database's clock (`NOW`, microseconds), read in `tx`: a query of
-/// no table.
-async fn database_now(tx: &RwTx) -> google_cloud_spanner::Result<i64> {
-    let mut rs = tx.execute_query(Statement::builder(format!("SELECT {NOW}")).build()).await?;
-    match rs.next().await {
-        Some(r) => r?.get::<i64>(0),
-        None => Err(refused("SELECT of the database's clock returned no row".into())),
-    }
 }
 
 /// A point read of `keys` of `table` through Spanner's read API: no SQL
@@ -993,7 +1009,13 @@ const KEYS_PER_READ: usize = 256;
 /// ack asserts its row instead), and the dedup rows of the keys it claims
 /// or holds, and those of `sends` (sends outside a message: `onceq
 /// send`), in one query.
-async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], leases: bool) -> google_cloud_spanner::Result<Seen> {
+async fn read_ahead(
+    tx: &RwTx,
+    batch: &[commit::Pending],
+    sends: &[SendParams],
+    leases: bool,
+    counts: Option<i64>,
+) -> google_cloud_spanner::Result<Seen> {
     let mut answers: Vec<Vec<Vec<Row>>> = batch.iter().map(|p| vec![Vec::new(); p.reads.len()]).collect();
     // Point reads by table: (pending, its read), the read.
     type Place<'b> = ((usize, usize), &'b ReadRecord);
@@ -1042,7 +1064,7 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
     let acks: Vec<&Lease> = batch.iter().filter_map(|p| p.ack.as_ref()).collect();
     if leases && !acks.is_empty() {
         let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", ["shard", "id", "lease_token"])
-            .with_keys(message_keys(acks))
+            .with_keys(message_keys(acks.iter().copied()))
             .build();
         let mut rs = tx.execute_read(read).await?;
         while let Some(r) = rs.next().await {
@@ -1051,6 +1073,7 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
                 .insert((r.get::<i64>(0)?, r.get::<String>(1)?), r.get::<Option<String>>(2)?);
         }
     }
+    let mut expiring = Vec::new();
     let mut keys: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     let all_sends = batch.iter().flat_map(|p| &p.sends).chain(sends);
     for s in all_sends {
@@ -1064,9 +1087,7 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
     if !keys.is_empty() {
         // By key through the read API (measured on the emulator: the same
         // keys as one query of `dedup_key IN UNNEST(...)` cost 15-45 ms, a
-        // scan of the table); whether a claim is still live is then asked
-        // of the database's clock, in a query of no table, only if a key
-        // has a row.
+        // scan of the table).
         let mut set = KeySetBuilder::new();
         for (queue, ks) in &keys {
             for k in ks {
@@ -1077,30 +1098,55 @@ async fn read_ahead(tx: &RwTx, batch: &[commit::Pending], sends: &[SendParams], 
             .with_keys(set.build())
             .build();
         let mut rs = tx.execute_read(read).await?;
-        let mut rows = Vec::new();
         while let Some(r) = rs.next().await {
             let r = r?;
-            rows.push((r.get::<String>(0)?, r.get::<String>(1)?, r.get::<String>(2)?, r.get::<i64>(3)?));
+            expiring.push((r.get::<String>(0)?, r.get::<String>(1)?, r.get::<String>(2)?, r.get::<i64>(3)?));
         }
-        if !rows.is_empty() {
-            let now = database_now(tx).await?;
-            for (queue, key, id, expires_at) in rows {
-                seen.dedup.insert((queue, key), (id, expires_at > now));
-            }
+    }
+    // The clock, and this instance's counts rows of the acked queues, in
+    // one query (a left join keeps the clock's row when no count is there).
+    let queues: BTreeSet<&str> = acks.iter().map(|l| l.queue.as_str()).collect();
+    let clock = match counts {
+        Some(shard) if !queues.is_empty() => Statement::builder(format!(
+            "SELECT {NOW}, c.queue, c.processed FROM (SELECT 1) AS one
+             LEFT JOIN onceq_counts AS c ON c.shard = @s AND c.queue IN UNNEST(@q)"
+        ))
+        .add_param("s", shard)
+        .add_typed_param(
+            "q",
+            queues.iter().map(|q| q.to_string()).collect::<Vec<_>>(),
+            google_cloud_spanner::types::array(google_cloud_spanner::types::string()),
+        )
+        .build(),
+        _ => Statement::builder(format!("SELECT {NOW}, CAST(NULL AS STRING), CAST(NULL AS INT64)")).build(),
+    };
+    let mut rs = tx.execute_query(clock).await?;
+    let mut clocked = false;
+    while let Some(r) = rs.next().await {
+        let r = r?;
+        seen.now = r.get::<i64>(0)?;
+        clocked = true;
+        if let (Some(queue), Some(n)) = (r.get::<Option<String>>(1)?, r.get::<Option<i64>>(2)?) {
+            seen.counts.insert(queue, n);
         }
+    }
+    if !clocked {
+        return Err(refused("the database's clock: the query returned no row".into()));
+    }
+    for (queue, key, id, expires_at) in expiring {
+        seen.dedup.insert((queue, key), (id, expires_at > seen.now));
     }
     Ok(seen)
 }
 
 /// The commit path ([`commit::Executor`]) inside one Spanner read-write
 /// transaction, deciding each message on what [`read_ahead`] read and
-/// keeping what to write until [`SpannerExec::write_all`] sends it at the
-/// end, in a few statements of one batch DML whatever the batch's size
-/// (the emulator's cost is per statement: measured, a batch of 15 took
-/// 75-120 ms to write with a statement per ack and per dedup claim), and
-/// the row writes as mutations.
+/// keeping what to write until [`SpannerExec::write_all`] buffers it at
+/// the end, all as mutations whatever the batch's size (the emulator's
+/// cost is per statement: measured, a batch of 15 took 75-120 ms to write
+/// with a statement per ack and per dedup claim).
 ///
-/// Row writes are mutations, applied at commit, which reads of the same
+/// Writes are mutations, applied at commit, which reads of the same
 /// transaction would not see; reads are answered from before the batch
 /// wrote anything. So a message that read a row an earlier message of the
 /// batch wrote is aborted (its handler re-runs on fresh data) instead of
@@ -1157,20 +1203,27 @@ impl<'t> SpannerExec<'t> {
         ]
     }
 
-    /// Send what the decided messages write: the row writes and the acks
-    /// as mutations (a batch of one asserts its ack's row by DML instead),
-    /// then one batch DML: the dedup claims, the holds, the inserts, and
-    /// `more` last, every count checked. The counts of `more`, in order.
-    async fn write_all(self, tx: &RwTx, shards: u32, more: Vec<Statement>) -> google_cloud_spanner::Result<Vec<i64>> {
-        if !self.mutations.is_empty() {
-            tx.buffer(self.mutations)?;
-        }
-        let mut statements: Vec<(Statement, Option<i64>)> = Vec::new();
+    /// Send what the decided messages write, as mutations applied at the
+    /// commit: the row writes, the acks, the dedup claims then the holds,
+    /// the new messages and, with `counts` (this instance's counts row and
+    /// what the batch processed, by queue), the processed counts; times
+    /// are the database's clock as read in the transaction. A batch of one
+    /// asserts its ack's row by DML instead.
+    ///
+    /// No DML: the emulator plans and scans for each statement (measured:
+    /// a batch DML of the claims, inserts and counts cost 40-85 ms with
+    /// 3,000 orders queued, one of 64 holds 50-200 ms), and on Spanner
+    /// mutations need no round trip before the commit. A mutation that
+    /// cannot apply (an insert of an id that exists) fails the commit as a
+    /// whole, which is then run again one message at a time.
+    async fn write_all(self, tx: &RwTx, shards: u32, counts: Option<(i64, &BTreeMap<&str, i64>)>) -> google_cloud_spanner::Result<()> {
+        let now = self.seen.now;
+        let mut writes = self.mutations;
         if self.assert_one {
             for lease in &self.acks {
                 // OUT_OF_RANGE if the lease is lost or the message already
                 // acked: the whole transaction rolls back.
-                statements.push((
+                tx.execute_update(
                     Statement::builder(
                         "DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1",
                     )
@@ -1178,8 +1231,8 @@ impl<'t> SpannerExec<'t> {
                     .add_param("id", lease.message_id.clone())
                     .add_param("t", lease.token.clone())
                     .build(),
-                    None,
-                ));
+                )
+                .await?;
             }
         } else if !self.acks.is_empty() {
             // Their rows were read with their tokens in this transaction,
@@ -1187,48 +1240,80 @@ impl<'t> SpannerExec<'t> {
             // is deleting them guarded. (One `DELETE` of them all is a
             // full scan on the emulator: measured with 2,000 queued, 80-100
             // ms for a batch of 30.)
-            tx.buffer([Mutation::delete("onceq_messages", message_keys(&self.acks))])?;
+            writes.push(Mutation::delete("onceq_messages", message_keys(&self.acks)));
         }
-        if !self.claims.is_empty() {
-            let rows: Vec<String> = (0..self.claims.len())
-                .map(|i| format!("(@q{i}, @k{i}, @id{i}, {NOW} + @w{i})"))
-                .collect();
-            let mut b = Statement::builder(format!(
-                "INSERT OR UPDATE INTO onceq_dedup (queue, dedup_key, message_id, expires_at) VALUES {}",
-                rows.join(", ")
-            ));
-            for (i, (queue, key, id, window)) in self.claims.iter().enumerate() {
-                b = b
-                    .add_param(format!("q{i}"), queue.clone())
-                    .add_param(format!("k{i}"), key.clone())
-                    .add_param(format!("id{i}"), id.clone())
-                    .add_param(format!("w{i}"), micros(*window));
+        for (queue, key, id, window) in self.claims {
+            writes.push(
+                Mutation::new_insert_or_update_builder("onceq_dedup")
+                    .set("queue")
+                    .to(queue)
+                    .set("dedup_key")
+                    .to(key)
+                    .set("message_id")
+                    .to(id)
+                    .set("expires_at")
+                    .to(now.saturating_add(micros(window)))
+                    .build(),
+            );
+        }
+        // A key is held only if its row was read in this transaction
+        // (locked until the commit); a key held twice keeps the later
+        // hold's window, mutations applying in order.
+        for (queue, key, window) in self.holds {
+            writes.push(
+                Mutation::new_update_builder("onceq_dedup")
+                    .set("queue")
+                    .to(queue)
+                    .set("dedup_key")
+                    .to(key)
+                    .set("expires_at")
+                    .to(now.saturating_add(micros(window)))
+                    .build(),
+            );
+        }
+        for (id, p) in self.inserts {
+            writes.push(
+                Mutation::new_insert_builder("onceq_messages")
+                    .set("shard")
+                    .to(shard_of(&id, shards))
+                    .set("id")
+                    .to(id)
+                    .set("queue")
+                    .to(p.queue)
+                    .set("payload")
+                    .to(p.payload)
+                    .set("attributes")
+                    .to(attrs_to_json(&p.attributes))
+                    .set("attempt")
+                    .to(0i64)
+                    .set("enqueued_at")
+                    .to(now)
+                    .set("visible_at")
+                    .to(now.saturating_add(micros(p.delay)))
+                    .build(),
+            );
+        }
+        if let Some((shard, by_queue)) = counts {
+            for (queue, n) in by_queue {
+                let before = self.seen.counts.get(*queue).copied().unwrap_or(0);
+                writes.push(
+                    Mutation::new_insert_or_update_builder("onceq_counts")
+                        .set("queue")
+                        .to(queue.to_string())
+                        .set("shard")
+                        .to(shard)
+                        .set("processed")
+                        .to(before.saturating_add(*n))
+                        .set("last_at")
+                        .to(now)
+                        .build(),
+                );
             }
-            statements.push((b.build(), Some(self.claims.len() as i64)));
         }
-        statements.extend(hold_stmts(&self.holds));
-        statements.extend(insert_stmts(shards, &self.inserts).into_iter().map(|(s, n)| (s, Some(n))));
-        let n_more = more.len();
-        statements.extend(more.into_iter().map(|s| (s, None)));
-        if statements.is_empty() {
-            return Ok(Vec::new());
+        if !writes.is_empty() {
+            tx.buffer(writes)?;
         }
-        let (statements, expected): (Vec<Statement>, Vec<Option<i64>>) = statements.into_iter().unzip();
-        let counts = tx.execute_batch_update(statements).await?;
-        if counts.len() != expected.len() {
-            return Err(refused(format!("{} statements gave {} row counts", expected.len(), counts.len())));
-        }
-        for (n, (got, want)) in counts.iter().zip(&expected).enumerate() {
-            if let Some(want) = want {
-                if got != want {
-                    // The acks' rows were read, locked and matched just
-                    // before: never expected; the batch is then committed
-                    // again one message at a time.
-                    return Err(refused(format!("statement {n} of the commit changed {got} rows, not {want}")));
-                }
-            }
-        }
-        Ok(counts[counts.len() - n_more..].to_vec())
+        Ok(())
     }
 }
 
@@ -1304,111 +1389,18 @@ impl commit::Executor for SpannerExec<'_> {
     }
 }
 
-/// The holds as one `UPDATE` per queue and window, each checked to change
-/// as many rows as it names keys: a key is held only if its row was read
-/// in the transaction (locked until the commit), and when a key is held
-/// twice the later hold's window is the one kept. (A statement per hold
-/// cost the emulator 5-8 ms each, measured: 350-500 ms to write the acks
-/// of 64 outbox deliveries.)
-fn hold_stmts(holds: &[(String, String, Duration)]) -> Vec<(Statement, Option<i64>)> {
-    let mut last: BTreeMap<(&str, &str), Duration> = BTreeMap::new();
-    for (queue, key, window) in holds {
-        last.insert((queue.as_str(), key.as_str()), *window);
-    }
-    let mut groups: BTreeMap<(&str, Duration), Vec<String>> = BTreeMap::new();
-    for ((queue, key), window) in last {
-        groups.entry((queue, window)).or_default().push(key.to_string());
-    }
-    groups
-        .into_iter()
-        .map(|((queue, window), keys)| {
-            let n = keys.len() as i64;
-            let stmt = Statement::builder(format!(
-                "UPDATE onceq_dedup SET expires_at = {NOW} + @w WHERE queue = @q AND dedup_key IN UNNEST(@k)"
-            ))
-            .add_param("q", queue.to_string())
-            .add_typed_param("k", keys, google_cloud_spanner::types::array(google_cloud_spanner::types::string()))
-            .add_param("w", micros(window))
-            .build();
-            (stmt, Some(n))
-        })
-        .collect()
-}
-
-/// Rows of one multi-row `INSERT` (8 parameters each, well under
-/// Spanner's limit on a statement's parameters).
-const INSERT_ROWS: usize = 100;
-
-/// The buffered messages as multi-row `INSERT`s, [`INSERT_ROWS`] to a
-/// statement, with the rows each inserts.
-fn insert_stmts(shards: u32, inserts: &[(String, SendParams)]) -> Vec<(Statement, i64)> {
-    inserts
-        .chunks(INSERT_ROWS)
-        .map(|chunk| {
-            let rows: Vec<String> = (0..chunk.len())
-                .map(|i| format!("(@s{i}, @id{i}, @q{i}, @p{i}, @a{i}, 0, {NOW}, {NOW} + @d{i})"))
-                .collect();
-            let mut b = Statement::builder(format!(
-                "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES {}",
-                rows.join(", ")
-            ));
-            for (i, (id, p)) in chunk.iter().enumerate() {
-                b = b
-                    .add_param(format!("s{i}"), shard_of(id, shards))
-                    .add_param(format!("id{i}"), id.clone())
-                    .add_param(format!("q{i}"), p.queue.clone())
-                    .add_param(format!("p{i}"), p.payload.clone())
-                    .add_param(format!("a{i}"), attrs_to_json(&p.attributes))
-                    .add_param(format!("d{i}"), micros(p.delay));
-            }
-            (b.build(), chunk.len() as i64)
-        })
-        .collect()
-}
-
-/// The processed counts a batch adds to this store instance's rows of
-/// `onceq_counts` (last in its batch DML): one `UPDATE` per queue, and
-/// [`count_missing`] inserts the rows not there yet.
-fn count_stmts(shard: i64, by_queue: &BTreeMap<&str, i64>) -> Vec<Statement> {
-    let sql = format!("UPDATE onceq_counts SET processed = processed + @n, last_at = {NOW} WHERE queue = @q AND shard = @s");
-    by_queue.iter().map(|(queue, n)| count_stmt(&sql, shard, queue, *n)).collect()
-}
-
-/// A statement of `onceq_counts` with its parameters: `@s` this store
-/// instance's shard, `@q` the queue, `@n` the messages processed.
-fn count_stmt(sql: &str, shard: i64, queue: &str, n: i64) -> Statement {
-    Statement::builder(sql)
-        .add_param("n", n)
-        .add_param("q", queue.to_string())
-        .add_param("s", shard)
-        .build()
-}
-
-/// Insert the counts rows whose `UPDATE` changed nothing (a queue's first
-/// batch on this store instance).
-async fn count_missing(tx: &RwTx, shard: i64, by_queue: &BTreeMap<&str, i64>, updated: &[i64]) -> google_cloud_spanner::Result<()> {
-    for ((queue, n), updated) in by_queue.iter().zip(updated) {
-        if *updated == 0 {
-            let sql = format!("INSERT INTO onceq_counts (queue, shard, processed, last_at) VALUES (@q, @s, @n, {NOW})");
-            tx.execute_update(count_stmt(&sql, shard, queue, *n)).await?;
-        }
-    }
-    Ok(())
-}
-
 /// Spanner's batch commit: one read-write transaction for the batch; each
 /// message decided (reads unchanged, ack's row there with its token) before
 /// anything of it is kept to write, so a message that loses gets its own
-/// error and leaves nothing behind; then everything kept is written in one
-/// batch DML. A failed statement or commit fails the batch as a whole;
+/// error and leaves nothing behind; then everything kept is written as
+/// mutations. A failed statement or commit fails the batch as a whole;
 /// unless the outcome is unknown (every message re-runs and its ack
 /// decides) or the failure retryable, the batch is then committed again
 /// one message at a time, so only the guilty message gets the error.
 ///
-/// Statements per batch, whatever its size: a read by key per table read
-/// (and a query per scan), a read of the acked messages' leases, a query of
-/// the dedup keys, the batch DML (and an insert the first time a queue's
-/// counts row is written), the commit.
+/// Calls per batch, whatever its size: a read by key per table read (and
+/// a query per scan), a read of the acked messages' leases, a read of the
+/// dedup keys, a query of the clock and the counts rows, the commit.
 struct SpannerBatch {
     pool: Arc<Pool>,
     schema: Arc<Schema>,
@@ -1426,7 +1418,7 @@ impl SpannerBatch {
             .rw("a commit", move |tx| {
                 let (batch, schema) = (batch.clone(), schema.clone());
                 async move {
-                    let seen = read_ahead(&tx, &batch, &[], !assert_one).await?;
+                    let seen = read_ahead(&tx, &batch, &[], !assert_one, counts).await?;
                     let mut ex = SpannerExec::new(&schema, seen, assert_one);
                     let mut results = Vec::with_capacity(batch.len());
                     for (i, p) in batch.iter().enumerate() {
@@ -1444,11 +1436,7 @@ impl SpannerBatch {
                         results.push(r);
                     }
                     let by_queue = commit::processed_by_queue(&batch, &results);
-                    let more = counts.map(|shard| count_stmts(shard, &by_queue)).unwrap_or_default();
-                    let updated = ex.write_all(&tx, shards, more).await?;
-                    if let Some(shard) = counts {
-                        count_missing(&tx, shard, &by_queue, &updated).await?;
-                    }
+                    ex.write_all(&tx, shards, counts.map(|shard| (shard, &by_queue))).await?;
                     Ok(results)
                 }
             })
@@ -1689,14 +1677,14 @@ impl Store for SpannerStore {
         self.rw("a send", move |tx| {
             let (params, schema) = (params.clone(), schema.clone());
             async move {
-                let seen = read_ahead(&tx, &[], &params, false).await?;
+                let seen = read_ahead(&tx, &[], &params, false, None).await?;
                 let mut ex = SpannerExec::new(&schema, seen, false);
                 let mut out = Vec::with_capacity(params.len());
                 for p in params.iter() {
                     // Claims and inserts are kept, never run here: no error.
                     out.push(commit::send(&mut ex, p, window).await.map_err(|e| refused(e.to_string()))?);
                 }
-                ex.write_all(&tx, shards, Vec::new()).await?;
+                ex.write_all(&tx, shards, None).await?;
                 Ok(out)
             }
         })
