@@ -46,7 +46,7 @@ use super::*;
 use crate::schema::{column_type_from_decl, ColumnSchema, ColumnType};
 use crate::value::{random_id, WriteOp};
 use google_cloud_spanner::client::{DatabaseClient, Spanner};
-use google_cloud_spanner::key::{Key, KeySetBuilder};
+use google_cloud_spanner::key::{Key, KeyRange, KeySetBuilder};
 use google_cloud_spanner::mutation::Mutation;
 use google_cloud_spanner::statement::Statement;
 use google_cloud_spanner::value::Value as SValue;
@@ -1712,33 +1712,55 @@ impl Store for SpannerStore {
         // Start at a random shard (hosts spread over key ranges) and fill the
         // batch from the following shards, oldest first within each.
         let first = i64::from(rand::random::<u32>() % self.shards);
-        // Candidates come from a strong read-only query of the queue's index
-        // range: an empty queue costs no read-write transaction (idle
-        // workers of many hosts poll it). Then one guarded update takes
-        // those still visible, in one read-write transaction.
-        let find = Statement::builder(format!(
-            "SELECT shard, id, {NOW} FROM onceq_messages@{{FORCE_INDEX=onceq_messages_visible}}
-             WHERE queue = @q AND visible_at <= {NOW}
-             ORDER BY MOD(shard + @shards - @first, @shards), visible_at LIMIT @n"
-        ))
-        .add_param("q", p.queue.clone())
-        .add_param("shards", i64::from(self.shards))
-        .add_param("first", first)
-        .add_param("n", p.limit as i64)
-        .build();
+        // Candidates come from a strong read-only transaction: an empty
+        // queue costs no read-write transaction (idle workers of many hosts
+        // poll it). Its read timestamp is the database's clock; the queue's
+        // index is read by key range up to it, shard by shard from `first`,
+        // at most `limit` rows: what is visible now, oldest first within a
+        // shard, and never more rows than asked for. (Measured on the
+        // emulator with 3,000 queued: the same candidates as one query
+        // ordered by shard and visibility cost 30-40 ms, a scan; on Spanner
+        // that query read every visible entry of the queue's index.)
         let (candidates, now) = self
             .pool
             .within("a lease query", false, async {
+                use google_cloud_spanner::transaction::BeginTransactionOption;
                 let c = self.pool.get().await?;
-                let mut rs = c.single_use().build().execute_query(find).await.map_err(classify)?;
-                let (mut keys, mut now) = (KeySetBuilder::new(), 0i64);
-                let mut n = 0usize;
-                while let Some(r) = rs.next().await {
-                    let r = r.map_err(classify)?;
-                    let (shard, id) = (r.get::<i64>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?);
-                    keys = keys.add_key(Key::new(vec![SValue::from(shard), SValue::from(id)]));
-                    now = r.get::<i64>(2).map_err(classify)?;
-                    n += 1;
+                let ro = c
+                    .read_only_transaction()
+                    .set_begin_transaction_option(BeginTransactionOption::ExplicitBegin)
+                    .build()
+                    .await
+                    .map_err(classify)?;
+                let now = ro
+                    .read_timestamp()
+                    .map(|t| t.seconds().saturating_mul(1_000_000).saturating_add(i64::from(t.nanos() / 1000)))
+                    .ok_or_else(|| StoreError::Permanent("a read-only transaction began without a read timestamp".into()))?;
+                let shards = i64::from(self.shards);
+                let (mut keys, mut n) = (KeySetBuilder::new(), 0usize);
+                for range in [first..shards, 0..first] {
+                    if n >= p.limit || range.is_empty() {
+                        continue;
+                    }
+                    let mut visible = KeySetBuilder::new();
+                    for shard in range {
+                        let q = || SValue::from(p.queue.clone());
+                        visible = visible.add_range(KeyRange::closed_closed(
+                            Key::new(vec![q(), SValue::from(shard)]),
+                            Key::new(vec![q(), SValue::from(shard), SValue::from(now)]),
+                        ));
+                    }
+                    let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", ["shard", "id"])
+                        .with_index("onceq_messages_visible", visible.build())
+                        .set_limit((p.limit - n) as i64)
+                        .build();
+                    let mut rs = ro.execute_read(read).await.map_err(classify)?;
+                    while let Some(r) = rs.next().await {
+                        let r = r.map_err(classify)?;
+                        let (shard, id) = (r.get::<i64>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?);
+                        keys = keys.add_key(Key::new(vec![SValue::from(shard), SValue::from(id)]));
+                        n += 1;
+                    }
                 }
                 Ok((if n == 0 { None } else { Some(keys.build()) }, now))
             })
