@@ -59,10 +59,21 @@ fn host(dir: &Path, until_empty: bool, env: &[(&str, String)]) -> Child {
     if until_empty {
         c.arg("--until-empty");
     }
+    // ONCEQ_CHAOS_LOG=<dir>: every host's log (RUST_LOG's level, else
+    // warn) is appended to <dir>/<host>.log, to look at a run.
+    let log = std::env::var_os("ONCEQ_CHAOS_LOG").map(|d| {
+        let name = env
+            .iter()
+            .map(|(_, v)| v.replace([':', '/', '.'], "_"))
+            .collect::<Vec<_>>()
+            .join("-");
+        let path = Path::new(&d).join(format!("{}{name}.log", if until_empty { "drain-" } else { "" }));
+        std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap()
+    });
     c.envs(env.iter().map(|(k, v)| (k, v)))
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log.map_or_else(Stdio::null, Stdio::from))
         .spawn()
         .unwrap()
 }
