@@ -1774,7 +1774,11 @@ impl Store for SpannerStore {
         // scan (measured on the emulator: the same lease as one `UPDATE
         // ... THEN RETURN` of its ids cost 25-200 ms, a scan of the queue).
         // A row visible then is visible now; the lease runs from then.
-        let until = now.saturating_add(micros(p.lease));
+        // The lease runs from the candidates' read timestamp plus the time
+        // since (this host's monotonic clock), so an attempt that waited
+        // (aborted and re-run) does not get a shorter lease.
+        let read_at = std::time::Instant::now();
+        let lease = micros(p.lease);
         let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", LEASED_COLUMNS)
             .with_keys(candidates)
             .build();
@@ -1783,6 +1787,8 @@ impl Store for SpannerStore {
             .rw("a lease", move |tx| {
                 let (read, queue, token) = (read.clone(), queue.clone(), lease_token.clone());
                 async move {
+                    let since = i64::try_from(read_at.elapsed().as_micros()).unwrap_or(i64::MAX);
+                    let until = now.saturating_add(since).saturating_add(lease);
                     let mut rs = tx.execute_read(read).await?;
                     let mut rows = Vec::new();
                     let mut writes = Vec::new();
@@ -1811,10 +1817,11 @@ impl Store for SpannerStore {
                     if !writes.is_empty() {
                         tx.buffer(writes)?;
                     }
-                    Ok(rows)
+                    Ok((rows, until))
                 }
             })
             .await?;
+        let (leased, until) = leased;
         let mut out = leased
             .iter()
             .map(|(r, attempt)| message_from_row(&p.queue, &token, r, *attempt, until))
