@@ -1067,8 +1067,9 @@ async fn on_emulator(wasm: Arc<dyn Handler>, n: usize) {
 /// draining `n` orders from a fresh emulator database each: the emulator
 /// runs one read-write transaction at a time, so three hosts cannot be
 /// faster than one, and must not be slower. Runs in the order 1, 3, 3, 1,
-/// each database dropped after its run (the emulator slows as databases
-/// pile up).
+/// each database dropped after its run: runs drift slower over the
+/// emulator's life (measured, also with the databases dropped), and the
+/// order cancels a steady drift.
 async fn hosts_on_emulator(dir: &Path, component: &Path, n: usize) {
     let work = dir.join("hosts");
     std::fs::create_dir_all(&work).unwrap();

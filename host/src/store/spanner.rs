@@ -430,10 +430,16 @@ fn read_value(table: &str, col: &ColumnSchema, row: &google_cloud_spanner::resul
             .get::<Option<serde_json::Value>>(i)
             .map_err(bad)?
             .map_or(Value::Null, |j| Value::Json(j.to_string())),
-        ColumnType::Timestamp => row.get::<Option<wkt::Timestamp>>(i).map_err(bad)?.map_or(Value::Null, |t| {
-            Value::Timestamp(t.seconds() * 1_000_000 + i64::from(t.nanos()) / 1000)
-        }),
+        ColumnType::Timestamp => row
+            .get::<Option<wkt::Timestamp>>(i)
+            .map_err(bad)?
+            .map_or(Value::Null, |t| Value::Timestamp(micros_of(&t))),
     })
+}
+
+/// A Spanner timestamp in microseconds since the epoch.
+fn micros_of(t: &wkt::Timestamp) -> i64 {
+    t.seconds().saturating_mul(1_000_000).saturating_add(i64::from(t.nanos()) / 1000)
 }
 
 fn quote(ident: &str) -> String {
@@ -533,6 +539,15 @@ fn admin_endpoint() -> Option<String> {
     std::env::var("ONCEQ_SPANNER_ADMIN_ENDPOINT").ok().filter(|s| !s.is_empty())
 }
 
+/// The database admin client, at [`admin_endpoint`] if set.
+async fn database_admin(spanner: &Spanner) -> anyhow::Result<google_cloud_spanner::client::DatabaseAdmin> {
+    let mut b = spanner.database_admin_builder();
+    if let Some(ep) = admin_endpoint() {
+        b = b.with_endpoint(ep);
+    }
+    b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))
+}
+
 impl SpannerStore {
     /// `onceq init` on Spanner: on the emulator also create the instance;
     /// create the database with onceq's tables and the business DDL.
@@ -585,11 +600,7 @@ impl SpannerStore {
                 }
             }
         }
-        let mut b = spanner.database_admin_builder();
-        if let Some(ep) = admin_endpoint() {
-            b = b.with_endpoint(ep);
-        }
-        let admin = b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))?;
+        let admin = database_admin(&spanner).await?;
         let mut ddl = system_ddl();
         ddl.extend(split_ddl(business_ddl));
         admin
@@ -605,18 +616,14 @@ impl SpannerStore {
     }
 
     /// Drop `database` (`projects/P/instances/I/databases/D`), within a
-    /// minute: what the bench does between runs, so that the emulator,
-    /// which slows as databases pile up, measures each run alike.
+    /// minute: what the bench does after each run on the emulator, so its
+    /// databases do not pile up there.
     pub async fn drop_database(database: &str) -> anyhow::Result<()> {
         let spanner = Spanner::builder()
             .build()
             .await
             .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
-        let mut b = spanner.database_admin_builder();
-        if let Some(ep) = admin_endpoint() {
-            b = b.with_endpoint(ep);
-        }
-        let admin = b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))?;
+        let admin = database_admin(&spanner).await?;
         tokio::time::timeout(Duration::from_secs(60), admin.drop_database().set_database(database).send())
             .await
             .map_err(|_| anyhow::anyhow!("dropping database {database}: no answer within 1m"))?
@@ -1006,9 +1013,10 @@ const KEYS_PER_READ: usize = 256;
 /// Read what deciding `batch` needs, in the transaction: every recorded
 /// read again (one read per table for the point reads, a query per scan),
 /// the lease tokens of its acks (one read; not for a batch of one, whose
-/// ack asserts its row instead), and the dedup rows of the keys it claims
-/// or holds, and those of `sends` (sends outside a message: `onceq
-/// send`), in one query.
+/// ack asserts its row instead), the dedup rows of the keys it claims or
+/// holds, and those of `sends` (sends outside a message: `onceq send`),
+/// in one read, and the database's clock with this store instance's
+/// counts rows of the acked queues (`counts`), in one query.
 async fn read_ahead(
     tx: &RwTx,
     batch: &[commit::Pending],
@@ -1734,7 +1742,7 @@ impl Store for SpannerStore {
                     .map_err(classify)?;
                 let now = ro
                     .read_timestamp()
-                    .map(|t| t.seconds().saturating_mul(1_000_000).saturating_add(i64::from(t.nanos() / 1000)))
+                    .map(|t| micros_of(&t))
                     .ok_or_else(|| StoreError::Permanent("a read-only transaction began without a read timestamp".into()))?;
                 let shards = i64::from(self.shards);
                 let (mut keys, mut n) = (KeySetBuilder::new(), 0usize);
@@ -1773,10 +1781,10 @@ impl Store for SpannerStore {
         // the query's time taken by mutations: no statement to plan or
         // scan (measured on the emulator: the same lease as one `UPDATE
         // ... THEN RETURN` of its ids cost 25-200 ms, a scan of the queue).
-        // A row visible then is visible now; the lease runs from then.
-        // The lease runs from the candidates' read timestamp plus the time
-        // since (this host's monotonic clock), so an attempt that waited
-        // (aborted and re-run) does not get a shorter lease.
+        // A row visible then is visible now. The lease runs from the
+        // candidates' read timestamp plus the time since (this host's
+        // monotonic clock), so an attempt that waited (aborted and re-run)
+        // does not get a shorter lease.
         let read_at = std::time::Instant::now();
         let lease = micros(p.lease);
         let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", LEASED_COLUMNS)
