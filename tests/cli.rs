@@ -250,7 +250,7 @@ fn commands_work_end_to_end() {
 
     // peek: the queue's messages, what they carry and when they are due
     let out = p.ok(&["peek", "payments"]);
-    assert_eq!(out.matches("  ready  attempts=0").count(), 2, "{out}");
+    assert_eq!(out.matches("  ready  failures=0 deliveries=0").count(), 2, "{out}");
     assert_eq!(out.matches("  delayed until ").count(), 1, "{out}");
     assert!(
         out.contains(r#"payload: {"order_id": "o-x", "account": "acct-nobody", "amount": 5}"#),
@@ -309,7 +309,7 @@ fn commands_work_end_to_end() {
     assert!(out.contains("unknown account acct-nobody"), "{out}");
     let id = out.split_whitespace().next().unwrap().to_string();
     let shown: serde_json::Value = serde_json::from_str(&p.ok(&["dlq", "show", &id])).unwrap();
-    assert_eq!(shown["attempts"], 1);
+    assert_eq!((&shown["failures"], &shown["deliveries"]), (&1.into(), &1.into()), "{shown}");
     assert!(shown["failed"].as_str().unwrap().ends_with('Z'), "a time for people: {shown}");
     assert!(shown["payload_text"].as_str().unwrap().contains("acct-nobody"));
     let out = p.ok(&["dlq", "replay", &id]);

@@ -180,7 +180,7 @@ async fn counter_increments_exactly_once_per_message_under_unknown_outcomes() {
             Err(e) => {
                 return HandleOutput {
                     scope,
-                    result: Err(HandlerFailure::Failed(e)),
+                    result: Err(HandlerFailure::Crash(e)),
                 }
             }
         };
@@ -341,7 +341,11 @@ async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
     let dead = db.store.dead_letter_list(onceq::store::Queues::Named("chaos"), 10).await.unwrap();
     assert_eq!(dead.len(), 2);
     let reject = dead.iter().find(|d| d.payload_text.contains("reject")).unwrap();
-    assert_eq!(reject.attempts, 1, "reject dead-letters on the first attempt");
+    assert_eq!(
+        (reject.failures, reject.deliveries),
+        (1, 1),
+        "reject dead-letters on the first attempt"
+    );
     assert!(
         reject.reason.contains("rejected by handler: chaos: asked to reject"),
         "{}",
@@ -349,9 +353,9 @@ async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
     );
     assert!(reject.handler_version.is_some());
     let retry = dead.iter().find(|d| d.payload_text.contains("retry")).unwrap();
-    assert_eq!(retry.attempts, 3);
+    assert_eq!((retry.failures, retry.deliveries), (3, 3));
     assert!(
-        retry.reason.contains("asked to retry") && retry.reason.contains("gave up after 3 attempts"),
+        retry.reason.contains("asked to retry") && retry.reason.contains("gave up after 3 failed attempts"),
         "{}",
         retry.reason
     );
@@ -374,21 +378,24 @@ async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
     );
     let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].attempts, 4);
+    assert_eq!((dead[0].failures, dead[0].deliveries), (4, 4));
     assert!(
         dead[0].reason.contains("chaos: asked to trap"),
         "reason names the guest's panic: {}",
         dead[0].reason
     );
-    assert!(dead[0].reason.contains("gave up after 4 attempts"), "{}", dead[0].reason);
-    // Replay puts it back with its attempts reset; it fails again the same way.
+    assert!(dead[0].reason.contains("gave up after 4 failed attempts"), "{}", dead[0].reason);
+    // Replay puts it back with its counts reset; it fails again the same way.
     let id = db.store.dead_letter_replay(&dead[0].id).await.unwrap().expect("replayed");
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
-    assert_eq!(db.count(&format!("SELECT attempt FROM onceq_messages WHERE id = '{id}'")), 0);
+    assert_eq!(
+        db.count(&format!("SELECT attempt + failures FROM onceq_messages WHERE id = '{id}'")),
+        0
+    );
     let r2 = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), policy(1, 2));
     drain(&db.store, std::slice::from_ref(&r2)).await;
     assert_eq!(
-        db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap()[0].attempts,
+        db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap()[0].failures,
         2
     );
 }

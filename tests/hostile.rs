@@ -71,6 +71,8 @@ struct Attack<'a> {
     connectors: &'a [&'a str],
     store: Option<WrapStore>,
     seed_rows: usize,
+    /// `queue.max_deliveries` (default: the queue default).
+    max_deliveries: Option<u32>,
 }
 
 impl<'a> Attack<'a> {
@@ -84,6 +86,7 @@ impl<'a> Attack<'a> {
             connectors: &[],
             store: None,
             seed_rows: 0,
+            max_deliveries: None,
         }
     }
 
@@ -110,7 +113,10 @@ impl<'a> Attack<'a> {
         };
         let rt = runtime();
         let h = Arc::new(wasm(&rt, "hostile", self.handler));
-        let policy = Policy { batch: 1, ..policy(1, 1) };
+        let mut policy = Policy { batch: 1, ..policy(1, 1) };
+        if let Some(n) = self.max_deliveries {
+            policy.max_deliveries = n;
+        }
         let r = Arc::new(onceq::protocol::QueueRunner::new(
             onceq::protocol::QueueSpec {
                 name: "hostile".into(),
@@ -171,13 +177,16 @@ async fn waiting_for_time_to_pass_hits_the_deadline() {
     }
     .run()
     .await;
-    f.refused(&["deadline of 300ms exceeded"]);
+    f.refused(&["ran past its deadline of 300ms"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_that_never_answers_hits_the_deadline() {
+async fn a_read_that_never_answers_is_stopped_at_the_deadline_and_not_charged() {
     // A store that stops answering mid-read: the guest is blocked in a host
     // call, where the epoch deadline cannot see it; the call's timer does.
+    // The stall is the store's, not the message's: every delivery is
+    // deferred uncounted (max_attempts is 1 here), and only
+    // max_deliveries parks it, saying why.
     let started = Instant::now();
     let f = Attack {
         handler: HandlerLimits {
@@ -191,11 +200,21 @@ async fn a_read_that_never_answers_hits_the_deadline() {
             };
             Arc::new(FaultyStore::new(s, plan).0) as Arc<dyn Store>
         })),
+        max_deliveries: Some(3),
         ..Attack::new("get-flood 1")
     }
     .run()
     .await;
-    f.refused(&["deadline of 300ms exceeded"]);
+    f.refused(&[
+        "parked after 3 deliveries, 3 of them ended without a verdict",
+        "and 0 with a failure",
+    ]);
+    let dead = f.db.store.dead_letter_list(Queues::All, 10).await.unwrap();
+    assert_eq!(
+        (dead[0].deliveries, dead[0].failures),
+        (4, 0),
+        "three deferred deliveries, then the one that parked it"
+    );
     eprintln!("hung read stopped; both messages done in {:.1?}", started.elapsed());
 }
 

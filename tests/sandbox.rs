@@ -85,7 +85,10 @@ async fn infinite_loop_hits_the_deadline() {
     };
     let started = std::time::Instant::now();
     let reason = dead_letter_reason(&db, &chaos("loop"), limits, EffectLimits::default(), &["chaos_log"]).await;
-    assert!(reason.contains("deadline of 200ms exceeded"), "{reason}");
+    assert!(
+        reason.contains("ran past its deadline of 200ms (setting queue.deadline)"),
+        "{reason}"
+    );
     assert!(started.elapsed() < Duration::from_secs(20));
 }
 
@@ -97,7 +100,10 @@ async fn memory_bomb_hits_the_memory_limit() {
         ..Default::default()
     };
     let reason = dead_letter_reason(&db, &chaos("alloc"), limits, EffectLimits::default(), &["chaos_log"]).await;
-    assert!(reason.contains("memory limit of 16 MiB exceeded"), "{reason}");
+    assert!(
+        reason.contains("grew past its memory limit of 16 MiB (setting queue.memory)"),
+        "{reason}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -112,7 +118,7 @@ async fn exit_is_a_failure() {
     )
     .await;
     // wasi:cli/exit carries only ok/err: the guest's exit(3) arrives as 1.
-    assert!(reason.contains("guest called exit(1)"), "{reason}");
+    assert!(reason.contains("handler called exit(1)"), "{reason}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,6 +44,16 @@ async fn spanner_dead_letter_and_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_failures_and_deliveries_are_counted_apart() {
+    suite::failures_and_deliveries_are_counted_apart(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_dead_letters_count_failures_and_deliveries() {
+    suite::dead_letters_count_failures_and_deliveries(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_dedup_window() {
     let window = Duration::from_millis(500);
     let (store, _) = spanner_db(

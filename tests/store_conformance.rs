@@ -39,6 +39,16 @@ async fn sqlite_dead_letter_and_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_failures_and_deliveries_are_counted_apart() {
+    suite::failures_and_deliveries_are_counted_apart(db().store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_dead_letters_count_failures_and_deliveries() {
+    suite::dead_letters_count_failures_and_deliveries(db().store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_dedup_window() {
     let window = Duration::from_millis(300);
     let db = TestDb::with_options(

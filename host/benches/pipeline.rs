@@ -120,7 +120,7 @@ fn native_payments() -> NativeHandler {
             Err(e) => {
                 return HandleOutput {
                     scope,
-                    result: Err(HandlerFailure::Failed(e)),
+                    result: Err(HandlerFailure::Crash(e)),
                 }
             }
         };

@@ -330,6 +330,25 @@ fn outcomes(e: &mut DescriptorEncoder, queues: &[&Arc<QueueRunner>]) -> std::fmt
         "onceq_messages_dead_lettered",
         "Messages moved to the dead-letter table",
         &per_version(|c| c.dead_lettered),
+    )?;
+    let queue = queue_label;
+    counters(
+        e,
+        "onceq_message_deliveries",
+        "Leases taken: every delivery of a message, whatever its end",
+        &rows(queues.iter().copied(), queue, |m| m.deliveries.load(Relaxed)),
+    )?;
+    counters(
+        e,
+        "onceq_message_failures",
+        "Failures of the messages' own (counted toward max_attempts)",
+        &rows(queues.iter().copied(), queue, |m| m.failures.load(Relaxed)),
+    )?;
+    counters(
+        e,
+        "onceq_messages_deferred",
+        "Deliveries deferred for the host's own trouble (store, contention, resources), not counted as failures",
+        &rows(queues.iter().copied(), queue, |m| m.deferred.load(Relaxed)),
     )
 }
 

@@ -685,11 +685,12 @@ async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
                     // Queue and reason may come from a handler or a
                     // producer: escaped, so they cannot drive the terminal.
                     println!(
-                        "{}  {:<16} {}  attempts={}  {}",
+                        "{}  {:<16} {}  failures={} deliveries={}  {}",
                         d.id,
                         printable(&d.queue),
                         crate::names::time(d.failed_at),
-                        d.attempts,
+                        d.failures,
+                        d.deliveries,
                         printable(&d.reason)
                     );
                 }
@@ -751,9 +752,10 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
         // Payloads, attributes and reasons come from producers and
         // handlers: escaped, so they cannot drive the terminal.
         println!(
-            "{}  {state}  attempts={}  sent {}",
+            "{}  {state}  failures={} deliveries={}  sent {}",
             m.id,
-            m.attempt,
+            m.failures,
+            m.deliveries,
             crate::names::time(m.enqueued_at)
         );
         println!("    payload: {}", crate::names::truncated(&printable(&m.payload_text), 300));

@@ -73,6 +73,8 @@ struct RawDeploy {
 struct RawSettings {
     lease: Option<String>,
     max_attempts: Option<u32>,
+    max_deliveries: Option<u32>,
+    max_reruns: Option<u32>,
     backoff_initial: Option<String>,
     backoff_max: Option<String>,
     workers: Option<usize>,
@@ -100,6 +102,8 @@ struct RawQueue {
     connectors: Vec<String>,
     lease: Option<String>,
     max_attempts: Option<u32>,
+    max_deliveries: Option<u32>,
+    max_reruns: Option<u32>,
     backoff_initial: Option<String>,
     backoff_max: Option<String>,
     workers: Option<usize>,
@@ -470,9 +474,17 @@ impl RawQueue {
             }
         };
         let pd = Policy::default();
+        let max_attempts = q.max_attempts.or(d.max_attempts).unwrap_or(pd.max_attempts).max(1);
         let policy = Policy {
             lease: dur("lease", &q.lease, &d.lease, pd.lease)?,
-            max_attempts: q.max_attempts.or(d.max_attempts).unwrap_or(pd.max_attempts).max(1),
+            max_attempts,
+            // Unset, it leaves room for every failure and as many
+            // deliveries without a verdict again.
+            max_deliveries: q
+                .max_deliveries
+                .or(d.max_deliveries)
+                .unwrap_or(pd.max_deliveries.max(max_attempts.saturating_mul(2))),
+            max_reruns: q.max_reruns.or(d.max_reruns).unwrap_or(pd.max_reruns),
             backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
             backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
             workers: q.workers.or(d.workers).unwrap_or(pd.workers),
@@ -481,6 +493,14 @@ impl RawQueue {
         };
         if policy.workers == 0 || policy.batch == 0 {
             bail!("queue {}: workers and batch must be at least 1", q.name);
+        }
+        if policy.max_deliveries < policy.max_attempts {
+            bail!(
+                "queue {}: max_deliveries ({}) must be at least max_attempts ({}): every failure takes a delivery",
+                q.name,
+                policy.max_deliveries,
+                policy.max_attempts
+            );
         }
         if policy.lease < Duration::from_millis(100) {
             bail!("queue {}: lease must be at least 100ms", q.name);

@@ -49,7 +49,7 @@ pub async fn run(
     // (the protocol re-runs or fails it), then a refused read, then the
     // handler's own result; the reason is worded as a real run words it.
     let violation = match (&scope.store_error, &scope.violation) {
-        (Some(e), _) => Some(HandlerFailure::Store(e.clone())),
+        (Some(e), _) => Some(HandlerFailure::from_store(e.clone())),
         (None, Some(v)) => Some(HandlerFailure::Read(v.clone())),
         (None, None) => None,
     };
@@ -64,6 +64,7 @@ pub async fn run(
         retry_after_ms,
     };
     let out = match (violation, result) {
+        (Some(f), _) if !f.is_own() => report("deferred", Some(f.recorded_reason()), vec![], None),
         (Some(f), _) => report("failed", Some(f.to_string()), vec![], None),
         (None, Ok(effects)) => {
             match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), grants, limits, &schema, &mut *tx) {
@@ -73,9 +74,9 @@ pub async fn run(
         }
         (None, Err(HandlerFailure::Retry { reason, delay })) => report("retry", Some(reason), vec![], delay.map(|d| d.as_millis() as u64)),
         (None, Err(HandlerFailure::Reject(r))) => report("reject", Some(r), vec![], None),
-        (None, Err(HandlerFailure::Failed(r))) => report("failed", Some(r), vec![], None),
         (None, Err(HandlerFailure::Effect(e))) => report("invalid-effects", Some(e.to_string()), vec![], None),
-        (None, Err(f @ (HandlerFailure::Read(_) | HandlerFailure::Store(_)))) => report("failed", Some(f.to_string()), vec![], None),
+        (None, Err(f)) if !f.is_own() => report("deferred", Some(f.recorded_reason()), vec![], None),
+        (None, Err(f)) => report("failed", Some(f.to_string()), vec![], None),
     };
     tx.rollback().await;
     out
@@ -122,9 +123,10 @@ mod tests {
             let r = testing::runner(&store, handler.clone(), lease);
             let batch = testing::leased(&store, 1, lease).await;
 
+            // The store's trouble, not the message's: deferred, uncounted.
             let real = match r.process(&batch[0]).await {
-                Outcome::RetryLater(reason) => reason,
-                other => panic!("{error}: a real run retries later, got {other:?}"),
+                Outcome::Deferred(reason) => reason,
+                other => panic!("{error}: a real run defers it, got {other:?}"),
             };
             let tx = store.transaction_begin().await.unwrap();
             let tried = run(
@@ -136,7 +138,7 @@ mod tests {
                 &r.spec.limits,
             )
             .await;
-            assert_eq!(tried.outcome, "failed", "{error}");
+            assert_eq!(tried.outcome, "deferred", "{error}");
             assert_eq!(tried.reason.as_deref(), Some(real.as_str()), "{error}: same reason as the real run");
             assert!(real.contains(&error.to_string()), "{real}");
         }

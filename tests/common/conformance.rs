@@ -7,7 +7,7 @@
 use super::wait_until;
 use onceq::outbox;
 use onceq::schema::TableSchema;
-use onceq::store::{DeadLetterParams, LeaseParams, Queues, SendOutcome, SendParams, Store, StoreError};
+use onceq::store::{DeadLetterParams, LeaseParams, Queues, RetryParams, SendOutcome, SendParams, Store, StoreError};
 use onceq::value::{RowWrite, Value, WriteOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,7 +100,7 @@ pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {
     let stale = &first.lease;
     assert!(matches!(ack(s, stale).await, Err(StoreError::LeaseLost { .. })));
     assert!(matches!(
-        s.message_retry_later(stale, Duration::ZERO, "x").await,
+        s.message_retry_later(stale, retry(Duration::ZERO, "x", true)).await,
         Err(StoreError::LeaseLost { .. })
     ));
     assert_eq!(
@@ -114,6 +114,7 @@ pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {
     let dl = DeadLetterParams {
         reason: "x".into(),
         handler_version: None,
+        failed: true,
     };
     assert!(matches!(s.message_dead_letter(stale, dl).await, Err(StoreError::LeaseLost { .. })));
     ack(s, &second.lease).await.unwrap();
@@ -149,7 +150,9 @@ pub async fn retry_later_and_release(store: Arc<dyn Store>) {
     let m = lease(s, "q", 1, 10_000).await.remove(0);
     // Long enough that the stats and the lease below finish inside it on a
     // loaded machine (200 ms was not, on the emulator during the full suite).
-    s.message_retry_later(&m.lease, Duration::from_secs(2), "busy").await.unwrap();
+    s.message_retry_later(&m.lease, retry(Duration::from_secs(2), "busy", true))
+        .await
+        .unwrap();
     let stats = s.stats().await.unwrap();
     assert_eq!(stats.queues[0].delayed, 1);
     assert!(stats.queues[0].next_due_ms.is_some_and(|ms| ms <= 2_000));
@@ -161,10 +164,82 @@ pub async fn retry_later_and_release(store: Arc<dyn Store>) {
     })
     .await;
     let again = lease(s, "q", 1, 10_000).await.remove(0);
-    assert_eq!(again.message.attempt, 2);
+    assert_eq!((again.message.attempt, again.failures), (2, 1));
     s.message_release(&again.lease).await.unwrap();
     let third = lease(s, "q", 1, 10_000).await.remove(0);
-    assert_eq!(third.message.attempt, 2, "a release does not count an attempt");
+    assert_eq!(
+        (third.message.attempt, third.failures),
+        (2, 1),
+        "a release does not count a delivery"
+    );
+}
+
+/// Failures and deliveries are two counts: a lease is a delivery; only a
+/// retry that says it failed, or a dead letter for a failure, is a
+/// failure. Listings and dead letters show both.
+pub async fn failures_and_deliveries_are_counted_apart(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("q", "m")]).await.unwrap();
+    // A lease that expires without a verdict (a crashed host).
+    let first = lease(s, "q", 1, 100).await.remove(0);
+    assert_eq!((first.message.attempt, first.failures), (1, 0));
+    let st = store.clone();
+    wait_until("the lease to expire", Duration::from_secs(10), || {
+        let st = st.clone();
+        async move { st.stats().await.unwrap().queues[0].ready == 1 }
+    })
+    .await;
+    // Deferred for the host's trouble: not a failure.
+    let second = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((second.message.attempt, second.failures), (2, 0));
+    s.message_retry_later(&second.lease, retry(Duration::ZERO, "store trouble", false))
+        .await
+        .unwrap();
+    // A failure of its own.
+    let third = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((third.message.attempt, third.failures), (3, 0));
+    s.message_retry_later(&third.lease, retry(Duration::from_secs(60), "handler crashed", true))
+        .await
+        .unwrap();
+    let listed = s.message_get(&third.message.id).await.unwrap().expect("still queued");
+    assert_eq!((listed.deliveries, listed.failures), (3, 1));
+    assert_eq!(listed.last_error.as_deref(), Some("handler crashed"));
+    let listed = s.message_list(Queues::Named("q"), 10).await.unwrap();
+    assert_eq!((listed[0].deliveries, listed[0].failures), (3, 1));
+}
+
+/// A dead letter records the deliveries and the failures: one more for a
+/// failure, none more for a message parked without a verdict.
+pub async fn dead_letters_count_failures_and_deliveries(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("failed", "f"), send("parked", "p")]).await.unwrap();
+    let f = lease(s, "failed", 1, 10_000).await.remove(0);
+    s.message_retry_later(&f.lease, retry(Duration::ZERO, "boom", true)).await.unwrap();
+    let f = lease(s, "failed", 1, 10_000).await.remove(0);
+    let dead = |failed| DeadLetterParams {
+        reason: "gave up".into(),
+        handler_version: None,
+        failed,
+    };
+    s.message_dead_letter(&f.lease, dead(true)).await.unwrap();
+    let p = lease(s, "parked", 1, 10_000).await.remove(0);
+    s.message_dead_letter(&p.lease, dead(false)).await.unwrap();
+    let d = s.dead_letter_get(&f.message.id).await.unwrap().unwrap();
+    assert_eq!((d.deliveries, d.failures), (2, 2));
+    let d = s.dead_letter_get(&p.message.id).await.unwrap().unwrap();
+    assert_eq!((d.deliveries, d.failures), (1, 0));
+    // A replay starts both counts again.
+    s.dead_letter_replay(&f.message.id).await.unwrap();
+    let back = lease(s, "failed", 1, 10_000).await.remove(0);
+    assert_eq!((back.message.attempt, back.failures), (1, 0));
+}
+
+fn retry(delay: Duration, reason: &str, failed: bool) -> RetryParams {
+    RetryParams {
+        delay,
+        reason: reason.into(),
+        failed,
+    }
 }
 
 pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
@@ -181,6 +256,7 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
         DeadLetterParams {
             reason: "it is poison".into(),
             handler_version: Some("v1".into()),
+            failed: true,
         },
     )
     .await
@@ -190,8 +266,8 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
     assert_eq!(dead.len(), 1);
     let d = &dead[0];
     assert_eq!(
-        (d.id.as_str(), d.reason.as_str(), d.attempts, d.payload.as_slice()),
-        (m.message.id.as_str(), "it is poison", 1, b"poison".as_slice())
+        (d.id.as_str(), d.reason.as_str(), d.deliveries, d.failures, d.payload.as_slice()),
+        (m.message.id.as_str(), "it is poison", 1, 1, b"poison".as_slice())
     );
     assert_eq!(d.attributes, vec![("k".to_string(), "v".to_string())]);
     assert_eq!(d.handler_version.as_deref(), Some("v1"));

@@ -134,7 +134,8 @@ pub fn grants(tables: &[&str], queues: &[&str], connectors: &[&str]) -> Grants {
     }
 }
 
-/// A fast policy for tests: short backoff, small batches.
+/// A fast policy for tests: short backoff, small batches; re-runs and
+/// deliveries bounded as by default.
 pub fn policy(workers: usize, max_attempts: u32) -> Policy {
     Policy {
         lease: Duration::from_secs(10),
@@ -143,8 +144,8 @@ pub fn policy(workers: usize, max_attempts: u32) -> Policy {
         backoff_max: Duration::from_millis(50),
         workers,
         batch: 8,
-        max_reruns: 50,
         poll_max: Duration::from_millis(20),
+        ..Policy::default()
     }
 }
 

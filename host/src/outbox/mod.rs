@@ -98,13 +98,13 @@ impl Intent {
     /// An intent waiting in the outbox, from a listing.
     pub fn from_queued(m: &crate::store::QueuedMessage) -> Option<Intent> {
         let connector = connector_of(&m.queue)?.to_string();
-        Self::from_parts(connector, &m.id, m.attempt, &m.attributes, &m.payload).ok()
+        Self::from_parts(connector, &m.id, m.deliveries, &m.attributes, &m.payload).ok()
     }
 
     /// A dead-lettered intent.
     pub fn from_dead_letter(d: &crate::store::DeadLetter) -> Option<Intent> {
         let connector = connector_of(&d.queue)?.to_string();
-        Self::from_parts(connector, &d.id, d.attempts, &d.attributes, &d.payload).ok()
+        Self::from_parts(connector, &d.id, d.deliveries, &d.attributes, &d.payload).ok()
     }
 
     /// The payload as text (lossy), for logs and listings.
@@ -171,8 +171,16 @@ impl Handler for Dispatcher {
                 scope.transaction().dedup_hold(&msg.queue, &intent.idempotency_key, self.retention);
                 Ok(Vec::<Effect>::new())
             }
-            Delivery::Retry { reason, after } => Err(HandlerFailure::Retry { reason, delay: after }),
-            Delivery::Refused(reason) => Err(HandlerFailure::Reject(reason)),
+            Delivery::Retry { reason, after } => Err(HandlerFailure::Undelivered {
+                reason,
+                retry: true,
+                after,
+            }),
+            Delivery::Refused(reason) => Err(HandlerFailure::Undelivered {
+                reason,
+                retry: false,
+                after: None,
+            }),
         };
         HandleOutput { scope, result }
     }
@@ -220,6 +228,7 @@ pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, 
             policy: Policy {
                 lease: s.lease,
                 max_attempts: s.max_attempts,
+                max_deliveries: Policy::default().max_deliveries.max(s.max_attempts.saturating_mul(2)),
                 backoff_initial: s.backoff_initial,
                 backoff_max: s.backoff_max,
                 workers: s.workers,

@@ -1,16 +1,33 @@
-//! One message to its final outcome: attempts (handle inside a message
+//! One message to its final outcome: deliveries (handle inside a message
 //! transaction, check and buffer the effects, ack, commit), re-runs after
-//! aborts and unknown outcomes ([`super::retry`]), and step 5: retry later
-//! or dead-letter, guarded by the lease token.
+//! aborts and unknown outcomes ([`super::retry`]), and step 5: retry
+//! later, defer or dead-letter, guarded by the lease token.
+//!
+//! What a message is charged: a *failure* only for its own verdict (the
+//! handler failed or asked to retry, or its effects were refused); the
+//! host's trouble defers it uncounted; every lease is a *delivery*, and
+//! `max_deliveries` parks a message that never reaches a verdict.
 
 use super::metrics::hist_record;
 use super::worker::Slot;
 use super::{effects, retry, AttemptError, HandleOutput, Handler, HandlerFailure, Next, Outcome, QueueRunner, ReadScope, Rerun};
-use crate::store::{DeadLetterParams, LeasedMessage, StoreError};
+use crate::store::{DeadLetterParams, LeasedMessage, RetryParams, StoreError};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, info, info_span, warn, Instrument};
+
+/// A message aborted by contention this many times in a row (its reads
+/// changed by other messages' commits while it ran) runs its next re-run
+/// with the committer held for it ([`crate::store::commit::Group::hold`]):
+/// it reads after the last batch and commits first in the next, so a hot
+/// row cannot starve it.
+pub(super) const PRIORITY_AFTER: u32 = 2;
+
+/// Where a message goes after a failed delivery.
+enum Step {
+    Retry(RetryParams),
+    Dead(String, bool),
+}
 
 impl QueueRunner {
     /// Process one leased message to its final outcome.
@@ -28,13 +45,15 @@ impl QueueRunner {
             otel.kind = "consumer",
             queue = %lm.message.queue,
             message_id = %lm.message.id,
-            attempt = lm.message.attempt,
+            delivery = lm.message.attempt,
+            failures = lm.failures,
             version = %version,
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
         let m = &self.metrics;
         m.in_flight.fetch_add(1, Ordering::Relaxed);
+        m.deliveries.fetch_add(1, Ordering::Relaxed);
         let outcome = self.process_inner(lm, &*handler, slot).instrument(span.clone()).await;
         m.in_flight.fetch_sub(1, Ordering::Relaxed);
         span.record("outcome", tracing::field::debug(&outcome));
@@ -54,6 +73,9 @@ impl QueueRunner {
                 m.retried.fetch_add(1, Ordering::Relaxed);
                 m.record_version(&version, |c| c.retried += 1);
             }
+            Outcome::Deferred(_) => {
+                m.deferred.fetch_add(1, Ordering::Relaxed);
+            }
             Outcome::DeadLettered(reason) => {
                 m.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 m.record_version(&version, |c| c.dead_lettered += 1);
@@ -70,10 +92,17 @@ impl QueueRunner {
     }
 
     pub(super) async fn process_inner(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Outcome {
+        let policy = &self.spec.policy;
+        if lm.message.attempt > policy.max_deliveries {
+            return self.park(lm, handler).await;
+        }
         let mut unknown_seen = false;
         let mut reruns = 0u32;
+        // Aborts in a row: contention (reads changed before commit).
+        let mut contended = 0u32;
         loop {
-            let err = match self.attempt(lm, handler, slot).await {
+            let priority = contended >= PRIORITY_AFTER;
+            let err = match self.attempt(lm, handler, slot, priority).await {
                 Ok(()) => return Outcome::Acked,
                 Err(e) => e,
             };
@@ -81,9 +110,10 @@ impl QueueRunner {
                 self.metrics.store_error(e);
             }
             match err {
-                AttemptError::Store(e) if e.is_retryable() || e.is_unknown_outcome() => match self.spec.policy.rerun(&e, reruns) {
+                AttemptError::Store(e) if e.is_retryable() || e.is_unknown_outcome() => match policy.rerun(&e, reruns) {
                     Rerun::Now => {
                         reruns += 1;
+                        contended = 0;
                         unknown_seen = true;
                         self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
                         warn!(
@@ -93,13 +123,17 @@ impl QueueRunner {
                     }
                     Rerun::After(pause) => {
                         reruns += 1;
+                        contended = if matches!(e, StoreError::Aborted(_)) { contended + 1 } else { 0 };
                         self.metrics.aborted_reruns.fetch_add(1, Ordering::Relaxed);
                         debug!("transaction aborted, re-running: {e}");
                         tokio::time::sleep(pause).await;
                     }
                     Rerun::Stop => {
-                        warn!(class = e.class(), "store failing after {reruns} re-runs: {e}");
-                        return self.fail(lm, handler, HandlerFailure::Store(e), unknown_seen).await;
+                        warn!(
+                            class = e.class(),
+                            "store failing after {reruns} re-runs (setting queue.max_reruns): {e}; deferring the message, not counted as its failure"
+                        );
+                        return self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen).await;
                     }
                 },
                 AttemptError::Store(StoreError::LeaseLost { .. }) => {
@@ -111,15 +145,28 @@ impl QueueRunner {
                         Outcome::LeaseLost
                     };
                 }
-                AttemptError::Store(e) => return self.fail(lm, handler, HandlerFailure::Store(e), unknown_seen).await,
+                AttemptError::Store(e) => return self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen).await,
                 AttemptError::Handler(f) => return self.fail(lm, handler, f, unknown_seen).await,
             }
         }
     }
 
-    /// One run of steps 2-4.
-    pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Result<(), AttemptError> {
+    /// One run of steps 2-4. With `priority`, the store's committer is
+    /// held for this message from before its reads to its commit (see
+    /// [`PRIORITY_AFTER`]).
+    pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot, priority: bool) -> Result<(), AttemptError> {
         let turn = slot.handler_turn().await;
+        let hold = if priority {
+            match self.store.commit_hold().await {
+                Ok(hold) => hold,
+                Err(e) => {
+                    debug!("could not hold the committer for a contended message: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
         let scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
@@ -162,7 +209,10 @@ impl QueueRunner {
         tx.message_ack(&lm.lease);
         drop(turn); // the worker's next message may run its handler now
         slot.commit_started();
-        let committed = tx.commit().await;
+        let committed = match hold {
+            Some(hold) => tx.commit_held(hold).await,
+            None => tx.commit().await,
+        };
         slot.commit_ended();
         committed.map_err(AttemptError::Store)?;
         let m = &self.metrics;
@@ -172,51 +222,93 @@ impl QueueRunner {
         Ok(())
     }
 
-    /// Step 5: retry later or dead-letter, guarded by the lease token.
-    pub(super) async fn fail(&self, lm: &LeasedMessage, handler: &dyn Handler, failure: HandlerFailure, mut unknown_seen: bool) -> Outcome {
-        let attempt = lm.message.attempt;
-        let version = Some(handler.version().to_string());
-        enum Step {
-            Retry(Duration, String),
-            Dead(String),
-        }
+    /// Step 5: retry later (a failure counted), defer (the host's trouble,
+    /// not counted) or dead-letter, guarded by the lease token.
+    pub(super) async fn fail(&self, lm: &LeasedMessage, handler: &dyn Handler, failure: HandlerFailure, unknown_seen: bool) -> Outcome {
+        let failures = lm.failures;
+        let policy = &self.spec.policy;
         // A reason is stored and shown: keep it bounded, whatever its source.
-        let step = match self.spec.policy.after_failure(&failure, attempt, self.spec.limits.max_delay) {
-            Next::RetryAfter(d) => Step::Retry(d, crate::names::reason(&failure.to_string())),
-            Next::DeadLetter if matches!(failure, HandlerFailure::Reject(_)) => Step::Dead(crate::names::reason(&failure.to_string())),
-            Next::DeadLetter if attempt < self.spec.policy.max_attempts => Step::Dead(crate::names::reason(&format!(
-                "{failure} (not retried: every attempt would fail the same way)"
-            ))),
-            Next::DeadLetter => Step::Dead(crate::names::reason(&format!(
-                "{failure} (gave up after {attempt} attempt{})",
-                if attempt == 1 { "" } else { "s" }
-            ))),
+        let reason = |text: String| crate::names::reason(&text);
+        let step = match policy.after_failure(&failure, failures, lm.message.attempt, self.spec.limits.max_delay) {
+            Next::RetryAfter(delay) => Step::Retry(RetryParams {
+                delay,
+                reason: reason(failure.to_string()),
+                failed: true,
+            }),
+            Next::Defer(delay) => Step::Retry(RetryParams {
+                delay,
+                reason: reason(failure.recorded_reason()),
+                failed: false,
+            }),
+            Next::DeadLetter if matches!(failure, HandlerFailure::Reject(_) | HandlerFailure::Undelivered { .. }) => {
+                Step::Dead(reason(failure.to_string()), true)
+            }
+            Next::DeadLetter if failures.saturating_add(1) < policy.max_attempts => Step::Dead(
+                reason(format!("{failure} (not retried: every attempt would fail the same way)")),
+                true,
+            ),
+            Next::DeadLetter => {
+                let n = failures.saturating_add(1);
+                Step::Dead(
+                    reason(format!(
+                        "{failure} (gave up after {n} failed attempt{})",
+                        if n == 1 { "" } else { "s" }
+                    )),
+                    true,
+                )
+            }
         };
+        self.record(lm, handler, step, unknown_seen).await
+    }
+
+    /// Park a message delivered more than `max_deliveries` times without
+    /// reaching a verdict (a handler that takes its host down, leases that
+    /// keep expiring): dead-lettered without running it again.
+    async fn park(&self, lm: &LeasedMessage, handler: &dyn Handler) -> Outcome {
+        let before = lm.message.attempt.saturating_sub(1);
+        let without = before.saturating_sub(lm.failures);
+        let reason = format!(
+            "parked after {before} deliveries, {without} of them ended without a verdict (the host crashed or was killed, the lease expired, or the host deferred it for its own trouble) and {} with a failure (setting queue.max_deliveries = {})",
+            lm.failures, self.spec.policy.max_deliveries
+        );
+        warn!("{reason}");
+        self.record(lm, handler, Step::Dead(reason, false), false).await
+    }
+
+    /// Write `step`, guarded by the lease token, re-trying what the store
+    /// lets re-try.
+    async fn record(&self, lm: &LeasedMessage, handler: &dyn Handler, step: Step, unknown_seen: bool) -> Outcome {
+        let failures = lm.failures;
+        let version = Some(handler.version().to_string());
         let mut tries = 0;
+        // This record's own write may have landed although it failed.
+        let mut record_unknown = false;
         loop {
             let r = match &step {
-                Step::Retry(d, reason) => self.store.message_retry_later(&lm.lease, *d, reason).await,
-                Step::Dead(reason) => {
+                Step::Retry(p) => self.store.message_retry_later(&lm.lease, p.clone()).await,
+                Step::Dead(reason, failed) => {
                     self.store
                         .message_dead_letter(
                             &lm.lease,
                             DeadLetterParams {
                                 reason: reason.clone(),
                                 handler_version: version.clone(),
+                                failed: *failed,
                             },
                         )
                         .await
                 }
             };
             match r {
-                Ok(()) => {
-                    return match step {
-                        Step::Retry(d, reason) => {
-                            warn!("attempt {attempt} failed, next in {d:?}: {reason}");
-                            Outcome::RetryLater(reason)
-                        }
-                        Step::Dead(reason) => Outcome::DeadLettered(reason),
-                    }
+                Ok(()) => return self.recorded(step, failures),
+                Err(StoreError::LeaseLost { .. }) if record_unknown => {
+                    // Either this record landed before, or the message left
+                    // (an earlier commit landed, or another holder). Ask.
+                    return match self.record_landed(lm, &step).await {
+                        Some(true) => self.recorded(step, failures),
+                        _ if unknown_seen => Outcome::AlreadyCommitted,
+                        _ => Outcome::LeaseLost,
+                    };
                 }
                 Err(StoreError::LeaseLost { .. }) => {
                     return if unknown_seen {
@@ -228,21 +320,65 @@ impl QueueRunner {
                 Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && tries < self.spec.policy.max_reruns => {
                     self.metrics.store_error(&e);
                     if e.is_unknown_outcome() {
-                        warn!(class = e.class(), "recording the failure: outcome unknown, trying again: {e}");
+                        warn!(class = e.class(), "recording the outcome: outcome unknown, trying again: {e}");
                     }
                     tries += 1;
-                    unknown_seen |= e.is_unknown_outcome();
+                    record_unknown |= e.is_unknown_outcome();
                     tokio::time::sleep(retry::rerun_pause(tries)).await;
                 }
                 Err(e) => {
                     self.metrics.store_error(&e);
+                    let what = match &step {
+                        Step::Retry(p) => p.reason.clone(),
+                        Step::Dead(reason, _) => reason.clone(),
+                    };
                     warn!(
                         class = e.class(),
-                        "could not record the failure (the lease will expire and the message will be retried): {e}; failure was: {failure}"
+                        "could not record the outcome (the lease will expire and the message will be delivered again): {e}; outcome was: {what}"
                     );
                     return Outcome::LeaseLost;
                 }
             }
+        }
+    }
+
+    fn recorded(&self, step: Step, failures: u32) -> Outcome {
+        if matches!(&step, Step::Retry(RetryParams { failed: true, .. }) | Step::Dead(_, true)) {
+            self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        match step {
+            Step::Retry(p) if p.failed => {
+                warn!(
+                    "failure {} of {}, next delivery in {}: {}",
+                    failures.saturating_add(1),
+                    self.spec.policy.max_attempts,
+                    crate::names::duration(p.delay),
+                    p.reason
+                );
+                Outcome::RetryLater(p.reason)
+            }
+            Step::Retry(p) => {
+                warn!("next delivery in {}: {}", crate::names::duration(p.delay), p.reason);
+                Outcome::Deferred(p.reason)
+            }
+            Step::Dead(reason, _) => Outcome::DeadLettered(reason),
+        }
+    }
+
+    /// After a record whose outcome was unknown found the lease gone: did
+    /// that record land (`Some(true)`), or did the message go another way
+    /// (`Some(false)`)? `None` if the store cannot say now.
+    async fn record_landed(&self, lm: &LeasedMessage, step: &Step) -> Option<bool> {
+        match step {
+            Step::Dead(..) => self.store.dead_letter_get(&lm.message.id).await.ok().map(|d| d.is_some()),
+            // Back on its queue and not leased: the retry landed (another
+            // holder would have it leased, or have finished it).
+            Step::Retry(_) => self
+                .store
+                .message_get(&lm.message.id)
+                .await
+                .ok()
+                .map(|m| m.is_some_and(|m| !m.leased)),
         }
     }
 }
@@ -281,7 +417,7 @@ mod tests {
         Arc::new(NativeHandler::new("failing", |_m, scope| async move {
             HandleOutput {
                 scope,
-                result: Err(HandlerFailure::Failed("boom".into())),
+                result: Err(HandlerFailure::Crash("boom".into())),
             }
         }))
     }
@@ -316,7 +452,7 @@ mod tests {
         ));
         let batch = leased(&store, 1, lease).await;
         match last.process(&batch[0]).await {
-            Outcome::DeadLettered(reason) => assert!(reason.contains("boom (gave up after 1 attempt)"), "{reason}"),
+            Outcome::DeadLettered(reason) => assert!(reason.contains("boom (gave up after 1 failed attempt)"), "{reason}"),
             other => panic!("expected a dead letter, got {other:?}"),
         }
         let dead = store.dead_letter_list(Queues::All, 10).await.unwrap();

@@ -15,23 +15,100 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Why a handler produced no effects.
+/// Why an attempt of a message committed nothing. The variants tell the
+/// message's own verdicts (each a *failure*, counted toward
+/// `max_attempts`) from the host's own trouble ([`HandlerFailure::Host`]:
+/// never counted; the message is deferred and runs again later).
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandlerFailure {
     /// The handler asked to be retried later.
     Retry { reason: String, delay: Option<Duration> },
     /// The handler rejected the message: dead-letter it now.
     Reject(String),
-    /// The handler failed (trap, deadline, memory limit, exit): counts as
-    /// an attempt; dead-lettered after the last one. So do the typed
-    /// failures below.
-    Failed(String),
+    /// The guest crashed: a trap (a Rust panic ends as one), an uncaught
+    /// exception; the text says what, and where when the guest told.
+    Crash(String),
+    /// The guest called `exit` with this code.
+    Exit(i32),
+    /// The call ran past its deadline (`queue.deadline`).
+    Deadline(Duration),
+    /// The guest grew past its memory limit (`queue.memory`), in bytes.
+    Memory(usize),
     /// A read the handler made was refused (even if it swallowed the error).
     Read(ReadError),
     /// An effect the handler returned was refused.
     Effect(super::EffectError),
-    /// The store failed the attempt (after its re-runs), or refused a write.
+    /// The database refused one of its writes (a constraint, a trigger).
+    Refused(String),
+    /// An outbox connector's receiver did not take the intent: for now
+    /// (`retry`, after `after` if it said) or for good.
+    Undelivered {
+        reason: String,
+        retry: bool,
+        after: Option<Duration>,
+    },
+    /// Not the message's doing: see [`HostTrouble`].
+    Host(HostTrouble),
+}
+
+/// The host's own trouble during an attempt. The message is not charged a
+/// failure for it: it is deferred (visible again after a backoff), and a
+/// warning says why.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostTrouble {
+    /// The store failed the attempt (after its re-runs): unavailable,
+    /// aborted by contention again and again, an unknown outcome, a fault
+    /// of its own.
     Store(StoreError),
+    /// A read did not answer within the handler's deadline.
+    ReadStalled(Duration),
+    /// The host could not start the handler: descriptors, memory or
+    /// instance slots ran out.
+    Resources(String),
+}
+
+impl HandlerFailure {
+    /// A failure of the message's own (counted toward `max_attempts`), or
+    /// the host's trouble (deferred, not counted).
+    pub fn is_own(&self) -> bool {
+        !matches!(self, HandlerFailure::Host(_))
+    }
+
+    /// The failure's class, as metrics and `onceq try` name it.
+    pub fn class(&self) -> &'static str {
+        match self {
+            HandlerFailure::Retry { .. } => "retry_asked",
+            HandlerFailure::Reject(_) => "rejected",
+            HandlerFailure::Crash(_) => "crash",
+            HandlerFailure::Exit(_) => "exit",
+            HandlerFailure::Deadline(_) => "deadline",
+            HandlerFailure::Memory(_) => "memory",
+            HandlerFailure::Read(_) => "read_refused",
+            HandlerFailure::Effect(_) => "effect_refused",
+            HandlerFailure::Refused(_) => "write_refused",
+            HandlerFailure::Undelivered { .. } => "undelivered",
+            HandlerFailure::Host(_) => "host_trouble",
+        }
+    }
+
+    /// The reason a real run records for this failure: the host's trouble
+    /// says it was deferred, uncounted.
+    pub fn recorded_reason(&self) -> String {
+        if self.is_own() {
+            self.to_string()
+        } else {
+            format!("{self} (deferred, not counted as a failure)")
+        }
+    }
+
+    /// A store error as the failure it is: a refused write is the
+    /// message's own; anything else is the store's trouble.
+    pub fn from_store(e: StoreError) -> HandlerFailure {
+        match e {
+            StoreError::WriteRefused(m) => HandlerFailure::Refused(m),
+            other => HandlerFailure::Host(HostTrouble::Store(other)),
+        }
+    }
 }
 
 impl std::fmt::Display for HandlerFailure {
@@ -39,11 +116,34 @@ impl std::fmt::Display for HandlerFailure {
         match self {
             HandlerFailure::Retry { reason, .. } => write!(f, "handler asked to retry: {reason}"),
             HandlerFailure::Reject(r) => write!(f, "rejected by handler: {r}"),
-            HandlerFailure::Failed(r) => write!(f, "handler failed: {r}"),
+            HandlerFailure::Crash(r) => write!(f, "handler crashed: {r}"),
+            HandlerFailure::Exit(code) => write!(f, "handler called exit({code})"),
+            HandlerFailure::Deadline(d) => write!(
+                f,
+                "handler ran past its deadline of {} (setting queue.deadline)",
+                crate::names::duration(*d)
+            ),
+            HandlerFailure::Memory(n) => write!(f, "handler grew past its memory limit of {} MiB (setting queue.memory)", n >> 20),
             HandlerFailure::Read(e) => write!(f, "handler failed: {e}"),
             HandlerFailure::Effect(e) => write!(f, "handler failed: bad effect: {e}"),
-            HandlerFailure::Store(StoreError::WriteRefused(m)) => write!(f, "handler failed: write refused: {m}"),
-            HandlerFailure::Store(e) => write!(f, "handler failed: store error: {e}"),
+            HandlerFailure::Refused(m) => write!(f, "write refused by the database: {m}"),
+            HandlerFailure::Undelivered { reason, retry: true, .. } => write!(f, "delivery failed: {reason}"),
+            HandlerFailure::Undelivered { reason, retry: false, .. } => write!(f, "delivery refused: {reason}"),
+            HandlerFailure::Host(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+impl std::fmt::Display for HostTrouble {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostTrouble::Store(e) => write!(f, "store trouble: {e}"),
+            HostTrouble::ReadStalled(d) => write!(
+                f,
+                "store trouble: a read did not answer within the handler's deadline of {}",
+                crate::names::duration(*d)
+            ),
+            HostTrouble::Resources(m) => write!(f, "the host could not start the handler: {m}"),
         }
     }
 }
@@ -108,6 +208,9 @@ pub struct ReadScope {
     pub store_error: Option<StoreError>,
     /// Number of reads served.
     pub reads: u64,
+    /// A read is waiting for the store: if the handler's deadline cuts the
+    /// call now, the store stalled, not the handler.
+    pub reading: bool,
     /// Bytes of rows returned so far.
     pub read_bytes: usize,
     max_reads: u64,
@@ -123,6 +226,7 @@ impl ReadScope {
             violation: None,
             store_error: None,
             reads: 0,
+            reading: false,
             read_bytes: 0,
             max_reads: super::EffectLimits::default().max_reads,
             max_read_bytes: super::EffectLimits::default().max_read_bytes,
@@ -221,7 +325,10 @@ impl ReadScope {
     pub async fn get(&mut self, table: &str, key: &[Value]) -> Result<Option<Row>, String> {
         let t = self.check(table, key, false)?;
         self.count_read()?;
-        match self.tx.row_get(&t, key).await {
+        self.reading = true;
+        let read = self.tx.row_get(&t, key).await;
+        self.reading = false;
+        match read {
             Ok(r) => {
                 self.count_bytes(r.iter())?;
                 Ok(r)
@@ -239,7 +346,10 @@ impl ReadScope {
     pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, String> {
         let t = self.check(table, prefix, true)?;
         self.count_read()?;
-        match self.tx.row_scan(&t, prefix, limit as usize).await {
+        self.reading = true;
+        let read = self.tx.row_scan(&t, prefix, limit as usize).await;
+        self.reading = false;
+        match read {
             Ok(r) => {
                 self.count_bytes(r.iter())?;
                 Ok(r)

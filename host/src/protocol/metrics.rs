@@ -13,9 +13,17 @@ pub struct Metrics {
     pub processed: AtomicU64,
     /// Found already committed after an unknown outcome.
     pub already_committed: AtomicU64,
-    /// Attempts that ended in a retry (handler asked, or failed).
+    /// Deliveries that ended in a retry later after a failure of the
+    /// message's own (counted toward `max_attempts`).
     pub retried: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Leases taken (every delivery of a message, whatever its end).
+    pub deliveries: AtomicU64,
+    /// Failures of the messages' own (retried or dead-lettered for them).
+    pub failures: AtomicU64,
+    /// Deliveries deferred for the host's own trouble (not counted as
+    /// failures): a failing or stalled store, contention, resources.
+    pub deferred: AtomicU64,
     /// Transactions re-run after an abort.
     pub aborted_reruns: AtomicU64,
     /// Commits with an unknown outcome (each re-run).

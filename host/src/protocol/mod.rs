@@ -2,8 +2,11 @@
 //! [`Handler`] against any [`Store`].
 //!
 //! 1. **Lease** a batch (`Store::message_lease`): database time, new token,
-//!    attempt + 1. The workers of a queue that ask at the same time share
-//!    one lease transaction (`lease.rs`).
+//!    deliveries + 1. The workers of a queue that ask at the same time share
+//!    one lease transaction (`lease.rs`). A lease is not a failure: a
+//!    message whose deliveries pass `max_deliveries` without a verdict (it
+//!    takes its host down every time) is parked in the dead-letter table,
+//!    with a reason that says so.
 //! 2. **Handle** inside a message transaction: the handler reads through a
 //!    [`ReadScope`] served by the transaction. A worker handles the next
 //!    message of its batch while the previous one commits (`worker.rs`).
@@ -18,11 +21,16 @@
 //!      the message is counted as *already committed*: its effects were
 //!      applied exactly once, by the first commit;
 //!    - lease lost: rolled back, nothing written; the new holder processes it.
-//! 5. **Handler failures**: *retry* → roll back, then (guarded by the token)
+//! 5. **Failures**: *retry* → roll back, then (guarded by the token)
 //!    make the message visible after a backoff; *reject* → dead-letter now;
-//!    a trap, deadline, memory-limit hit or bad effect → retry with backoff
-//!    until `max_attempts`, then dead-letter, with the reason, in one
-//!    transaction.
+//!    a crash, deadline, memory-limit hit, bad effect or refused write →
+//!    failures + 1 and retry with backoff until `max_attempts` failures,
+//!    then dead-letter, with the reason, in one transaction. The host's own
+//!    trouble (a failing or stalled store, contention that outlasts the
+//!    re-runs, exhausted resources) is not the message's failure: it is
+//!    deferred, uncounted ([`retry`]). A message pays only for its own
+//!    effects: a neighbour in its group-commit batch that fails the whole
+//!    batch makes the store commit each message alone.
 //!
 //! An error is never caught to commit "the rest": every path that does not
 //! reach a successful commit with its ack leaves the database as it was.
@@ -61,7 +69,7 @@ pub mod retry;
 mod worker;
 
 pub use effects::{EffectError, EffectLimits, Grants};
-pub use handler::{HandleOutput, Handler, HandlerFailure, NativeHandler, ReadError, ReadScope};
+pub use handler::{HandleOutput, Handler, HandlerFailure, HostTrouble, NativeHandler, ReadError, ReadScope};
 pub use metrics::{Metrics, VersionCounts};
 pub use retry::{jittered, Next, Rerun};
 
@@ -77,8 +85,12 @@ use tokio::sync::watch;
 pub struct Policy {
     /// Lease duration for each message.
     pub lease: Duration,
-    /// After this many attempts a failing message is dead-lettered.
+    /// After this many failures of its own a message is dead-lettered.
     pub max_attempts: u32,
+    /// After this many deliveries of any kind (leases that ended in a
+    /// crash, an expiry or a kill included) a message is parked in the
+    /// dead-letter table.
+    pub max_deliveries: u32,
     /// First retry delay; doubles per attempt.
     pub backoff_initial: Duration,
     /// Retry delay cap.
@@ -93,8 +105,9 @@ pub struct Policy {
     pub workers: usize,
     /// Messages leased per round trip.
     pub batch: usize,
-    /// How many times one attempt's transaction is re-run after aborts or
-    /// unknown outcomes before the attempt counts as failed.
+    /// How many times one delivery's transaction is re-run after aborts or
+    /// unknown outcomes before the message is deferred (`max_reruns`; not
+    /// a failure of the message's).
     pub max_reruns: u32,
     /// Longest pause between polls of an empty queue.
     pub poll_max: Duration,
@@ -105,6 +118,7 @@ impl Default for Policy {
         Policy {
             lease: Duration::from_secs(10),
             max_attempts: 5,
+            max_deliveries: 50,
             backoff_initial: Duration::from_secs(1),
             backoff_max: Duration::from_secs(300),
             workers: 16,
@@ -132,6 +146,8 @@ pub enum Outcome {
     /// An earlier commit with unknown outcome had landed.
     AlreadyCommitted,
     RetryLater(String),
+    /// Visible again later, not counted as a failure (the host's trouble).
+    Deferred(String),
     DeadLettered(String),
     LeaseLost,
     Released,

@@ -3,7 +3,9 @@
 //! delivery slower than the lease is not handed to another worker. A
 //! renewal that finds a lease gone, or no renewal in time, cancels that
 //! message's work (its transaction rolls back) unless its commit is under
-//! way: then the commit's own guarded ack decides.
+//! way: then the commit's own guarded ack decides. "In time" is decided by
+//! the clock, not by the renewal's answer: a renewal call that hangs is
+//! abandoned at the lease's end (less a tenth), and the work with it.
 
 use super::worker::Slot;
 use super::QueueRunner;
@@ -31,8 +33,17 @@ impl QueueRunner {
                 .filter(|&j| slots.get(j).is_some_and(Slot::needs_renewal))
                 .collect();
             let leases: Vec<_> = due.iter().filter_map(|&j| batch.get(j).map(|lm| lm.lease.clone())).collect();
+            // Past this, another host may own these messages: the
+            // renewal must have answered by then.
+            let deadline = renewed_at + lease - lease / 10;
             let all_ok = leases.is_empty()
-                || match self.store.message_lease_renew(&leases, lease).await {
+                || match tokio::time::timeout_at(deadline, self.store.message_lease_renew(&leases, lease))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(crate::store::StoreError::Unavailable(
+                            "the lease renewal did not answer before the lease's end".into(),
+                        ))
+                    }) {
                     Ok(held) => {
                         for (&j, held) in due.iter().zip(held) {
                             if held {
@@ -52,7 +63,7 @@ impl QueueRunner {
             if all_ok {
                 renewed_at = round;
                 next = round + lease / 3;
-            } else if Instant::now() + lease / 10 >= renewed_at + lease {
+            } else if Instant::now() >= deadline {
                 // No renewal in time: another worker may hold these now.
                 for slot in slots {
                     slot.lost.store(true, Ordering::Relaxed);
@@ -95,6 +106,33 @@ mod tests {
         assert!((25..=35).contains(&renewals), "{renewals} renewals");
         assert_eq!(rows(&store).await, 2);
         assert!(started.elapsed() >= Duration::from_secs(20));
+    }
+
+    /// A renewal that hangs (the store takes the call and never answers)
+    /// does not keep the work going past the lease: it is cancelled before
+    /// the lease could run out, whatever the call is doing.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_hangs_past_the_lease_cancels_the_work_in_time() {
+        let (_dir, base) = store();
+        let plan = FaultPlan {
+            renewal_delay: Some(Duration::from_secs(3600)),
+            ..FaultPlan::default()
+        };
+        let (faulty, counts) = FaultyStore::new(base.clone(), plan);
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let lease = Duration::from_secs(9);
+        let batch = leased(&store, 1, lease).await;
+        let r = runner(&store, slow_writer(Duration::from_secs(60)), lease);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let started = tokio::time::Instant::now();
+        r.process_batch(&batch, started, &rx).await;
+        assert_eq!(r.metrics.cancelled.load(Relaxed), 1, "the work was cancelled");
+        assert_eq!(r.metrics.processed.load(Relaxed), 0);
+        assert_eq!(rows(&base).await, 0, "nothing committed");
+        assert_eq!(counts.renewals.load(Relaxed), 1, "one renewal, which never answered");
+        // Cancelled at the lease's end less a tenth (8.1 s), not an hour on.
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(8000) && took < lease, "{took:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -112,8 +112,13 @@ impl QueueRunner {
                 self.idle.notify_one();
                 continue;
             }
-            self.process_batch(&batch, leased_at, &shutdown).await;
-            pace.record(batch.len(), leased_at.elapsed());
+            let lost = self.process_batch(&batch, leased_at, &shutdown).await;
+            pace.record(batch.len(), lost, leased_at.elapsed());
+            if lost > 0 {
+                // Its leases ran out before its work did (a slow store or
+                // handler, a stall): lease less, and not at once.
+                sleep_or_shutdown(&mut shutdown, jittered((p.lease / 10).min(Duration::from_secs(1)))).await;
+            }
         }
         debug!(queue = %self.spec.name, worker = n, "worker stopped");
     }
@@ -128,7 +133,10 @@ impl QueueRunner {
     /// the next batch: measured with 16 workers, batches of 8 messages
     /// when a worker waited for each commit, 14 with two messages going,
     /// 23 with four.
-    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) {
+    ///
+    /// Returns how many of the batch's messages lost their lease before
+    /// their outcome (skipped, or cancelled while their handler ran).
+    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) -> usize {
         let turn = Arc::new(Semaphore::new(1));
         let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
         let (rounds, _) = watch::channel(0u64);
@@ -159,6 +167,7 @@ impl QueueRunner {
             () = work => {}
             () = self.renew_batch(batch, &slots, leased_at, &rounds) => {}
         }
+        slots.iter().filter(|s| s.lost.load(Ordering::Relaxed) && !s.committed()).count()
     }
 
     /// One message of a batch: after `before` (the message ahead of it)
@@ -185,7 +194,7 @@ impl QueueRunner {
             let mut rounds = rounds.subscribe();
             tokio::select! {
                 biased;
-                _ = self.process_tracked(lm, slot) => {}
+                _ = self.process_tracked(lm, slot) => slot.outcome.store(true, Ordering::Relaxed),
                 _ = rounds.wait_for(|_| slot.lost.load(Ordering::Relaxed) && !slot.committing.load(Ordering::Acquire)) => {
                     self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -231,6 +240,8 @@ pub(super) struct Slot {
     /// decides.
     pub(super) committing: AtomicBool,
     finished: AtomicBool,
+    /// It reached an outcome of its own (not skipped or cancelled).
+    outcome: AtomicBool,
     /// True once its first commit started or it finished: the message after
     /// it may start.
     moved_on: watch::Sender<bool>,
@@ -253,6 +264,7 @@ impl Slot {
             lost: AtomicBool::new(false),
             committing: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            outcome: AtomicBool::new(false),
             moved_on: watch::channel(false).0,
             turn,
         }
@@ -280,6 +292,11 @@ impl Slot {
         self.moved_on.send_replace(true);
     }
 
+    /// It reached its outcome (whatever became of its lease after).
+    fn committed(&self) -> bool {
+        self.outcome.load(Ordering::Relaxed)
+    }
+
     /// Its lease is still to be renewed: not finished, lost or committing.
     pub(super) fn needs_renewal(&self) -> bool {
         !(self.finished.load(Ordering::Relaxed) || self.lost.load(Ordering::Relaxed) || self.committing.load(Ordering::Acquire))
@@ -291,6 +308,9 @@ impl Slot {
 #[derive(Debug, Default)]
 pub(super) struct Pace {
     per_message: Option<Duration>,
+    /// At most this many, after batches that lost leases: halved by each
+    /// such batch, doubled back by each clean one.
+    cap: Option<usize>,
 }
 
 impl Pace {
@@ -299,21 +319,31 @@ impl Pace {
     /// measured: one.
     pub(super) fn limit(&self, batch: usize, lease: Duration) -> usize {
         let batch = batch.max(1);
-        match self.per_message {
+        let paced = match self.per_message {
             None => 1,
             Some(d) if d.is_zero() => batch,
             Some(d) => ((lease / 3).as_secs_f64() / d.as_secs_f64()).floor().clamp(1.0, batch as f64) as usize,
-        }
+        };
+        paced.min(self.cap.unwrap_or(usize::MAX)).max(1)
     }
 
-    /// `n` messages took `took` (lease included).
-    pub(super) fn record(&mut self, n: usize, took: Duration) {
-        let Ok(n) = u32::try_from(n.max(1)) else { return };
+    /// Of `leased` messages, `lost` lost their lease before their outcome;
+    /// all took `took` (lease included). Lost ones do not count as done,
+    /// and a batch that lost leases halves what the worker leases next;
+    /// clean batches double it back.
+    pub(super) fn record(&mut self, leased: usize, lost: usize, took: Duration) {
+        let finished = leased.saturating_sub(lost);
+        let Ok(n) = u32::try_from(finished.max(1)) else { return };
         let now = took / n;
         self.per_message = Some(match self.per_message {
             None => now,
             Some(before) => before.mul_f64(0.7) + now.mul_f64(0.3),
         });
+        self.cap = if lost > 0 {
+            Some((leased / 2).max(1))
+        } else {
+            self.cap.and_then(|c| c.checked_mul(2)).filter(|&c| c < 1 << 16)
+        };
     }
 }
 
@@ -415,24 +445,51 @@ mod tests {
         let mut pace = Pace::default();
         assert_eq!(pace.limit(8, lease), 1, "one message until the pace is known");
         // Fast messages: the whole batch.
-        pace.record(1, 2 * MS);
+        pace.record(1, 0, 2 * MS);
         assert_eq!(pace.limit(8, lease), 8);
         // 400 ms a message (the emulator under contention): 1 s / 400 ms = 2,
         // once the average has moved there.
         for _ in 0..20 {
-            pace.record(4, 1600 * MS);
+            pace.record(4, 0, 1600 * MS);
         }
         assert_eq!(pace.limit(8, lease), 2);
         // Slower than the first renewal: still one at a time.
         for _ in 0..20 {
-            pace.record(1, 5000 * MS);
+            pace.record(1, 0, 5000 * MS);
         }
         assert_eq!(pace.limit(8, lease), 1);
         // Fast again: back to the batch within a few batches.
         for _ in 0..20 {
-            pace.record(8, 8 * MS);
+            pace.record(8, 0, 8 * MS);
         }
         assert_eq!(pace.limit(8, lease), 8);
         assert_eq!(pace.limit(0, lease), 1, "a batch setting of 0 still leases");
+    }
+
+    /// Messages that lost their lease are not work done: a worker whose
+    /// batch of eight lost seven leases quickly (a stall) leases fewer next,
+    /// where counting them as finished made it look fast.
+    #[test]
+    fn lost_leases_shrink_the_next_lease() {
+        let lease = Duration::from_secs(3);
+        let mut pace = Pace::default();
+        for _ in 0..20 {
+            pace.record(8, 0, 8 * MS);
+        }
+        assert_eq!(pace.limit(8, lease), 8);
+        pace.record(8, 7, 80 * MS);
+        assert_eq!(pace.limit(8, lease), 4);
+        pace.record(4, 4, 3000 * MS);
+        assert!(pace.limit(8, lease) <= 2, "{}", pace.limit(8, lease));
+        // Lost again and again: down to one at a time.
+        for _ in 0..10 {
+            pace.record(1, 1, 3000 * MS);
+        }
+        assert_eq!(pace.limit(8, lease), 1);
+        // Clean batches of fast messages win it back.
+        for _ in 0..30 {
+            pace.record(8, 0, 8 * MS);
+        }
+        assert_eq!(pace.limit(8, lease), 8);
     }
 }

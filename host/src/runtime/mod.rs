@@ -13,7 +13,10 @@
 //!   host call (a pollable, a long read); a linear-memory cap; a cap on the
 //!   bytes it may log; and (in the protocol) bounds on its reads and
 //!   effects. A trap, a deadline, a memory-limit hit or `exit` is a
-//!   [`HandlerFailure::Failed`] with a reason — never a host crash.
+//!   typed [`HandlerFailure`] with a reason — never a host crash; an
+//!   instance the host could not make (descriptors or memory ran out) or a
+//!   read the store did not answer in time is [`HostTrouble`], not the
+//!   message's failure.
 //! - **Export type check** at deploy: `handle` must have the signature of
 //!   `wit/handler.wit`, not only the name, so a component built against
 //!   another WIT is refused at `onceq check`/deploy, not at every message.
@@ -21,7 +24,7 @@
 pub mod cache;
 pub mod wasi;
 
-use crate::protocol::{HandleOutput, Handler, HandlerFailure, ReadScope};
+use crate::protocol::{HandleOutput, Handler, HandlerFailure, HostTrouble, ReadScope};
 use crate::value::{self, Effect, Message};
 use async_trait::async_trait;
 use sha2::Digest;
@@ -601,8 +604,8 @@ impl WasmHandler {
         store
     }
 
-    async fn call(&self, store: &mut Store<HostState>, msg: &Message) -> wasmtime::Result<Result<Vec<wit::Effect>, wit::HandlerError>> {
-        let instance = self.pre.instantiate_async(&mut *store).await?;
+    async fn call(&self, store: &mut Store<HostState>, msg: &Message) -> Result<Result<Vec<wit::Effect>, wit::HandlerError>, CallError> {
+        let instance = self.pre.instantiate_async(&mut *store).await.map_err(CallError::Instantiate)?;
         let m = wit::Message {
             id: msg.id.clone(),
             queue: msg.queue.clone(),
@@ -613,8 +616,24 @@ impl WasmHandler {
             now: msg.logical_now(),
             seed: msg.seed(),
         };
-        instance.onceq_handler_handler().call_handle(&mut *store, &m).await
+        instance
+            .onceq_handler_handler()
+            .call_handle(&mut *store, &m)
+            .await
+            .map_err(CallError::Call)
     }
+}
+
+/// How a call of the handler failed.
+enum CallError {
+    /// The instance could not be made: a component that passed its deploy
+    /// checks fails here only for want of the host's resources
+    /// (descriptors, memory, instance slots), or its memory limit.
+    Instantiate(wasmtime::Error),
+    /// The guest trapped, exited or was stopped.
+    Call(wasmtime::Error),
+    /// The deadline passed while the guest waited in a host call.
+    Waited,
 }
 
 /// Log captured guest output inside the message's span; return the last
@@ -672,7 +691,7 @@ impl Handler for WasmHandler {
             Ok(r) => r,
             Err(_) => {
                 store.data_mut().timed_out = true;
-                Err(wasmtime::Error::msg("deadline exceeded while the guest waited in a host call"))
+                Err(CallError::Waited)
             }
         };
         let state = store.into_data();
@@ -684,27 +703,35 @@ impl Handler for WasmHandler {
                 delay: r.delay_ms.map(Duration::from_millis),
             }),
             Ok(Err(wit::HandlerError::Reject(reason))) => Err(HandlerFailure::Reject(reason)),
-            Err(e) => {
-                let mut reason = if state.timed_out {
-                    format!("deadline of {:?} exceeded", self.limits.deadline)
-                } else if state.limiter.memory_hit {
-                    format!("memory limit of {} MiB exceeded", self.limits.memory >> 20)
-                } else if let Some(exit) = e.downcast_ref::<wasmtime_wasi::I32Exit>() {
-                    format!("guest called exit({})", exit.0)
-                } else if let Some(trap) = e.downcast_ref::<wasmtime::Trap>() {
-                    format!("trap: {trap}")
-                } else {
-                    format!("{e:#}")
-                };
-                match last_stderr {
-                    Some(line) => reason.push_str(&format!(" (guest stderr: {line})")),
-                    None if matches!(e.downcast_ref::<wasmtime::Trap>(), Some(wasmtime::Trap::UnreachableCodeReached)) => {
-                        reason.push_str(&format!(" ({UNEXPLAINED_TRAP})"))
-                    }
-                    None => {}
-                }
-                Err(HandlerFailure::Failed(reason))
+            // A read the store did not answer in time: the store's
+            // trouble, not the handler's.
+            Err(CallError::Waited) if state.scope.reading => Err(HandlerFailure::Host(HostTrouble::ReadStalled(self.limits.deadline))),
+            Err(CallError::Waited) => Err(HandlerFailure::Deadline(self.limits.deadline)),
+            Err(CallError::Instantiate(_)) if state.limiter.memory_hit => Err(HandlerFailure::Memory(self.limits.memory)),
+            // A start function that traps is the component's own doing.
+            Err(CallError::Instantiate(e)) if e.downcast_ref::<wasmtime::Trap>().is_some() => {
+                Err(HandlerFailure::Crash(format!("trap while starting the instance: {e:#}")))
             }
+            Err(CallError::Instantiate(e)) => Err(HandlerFailure::Host(HostTrouble::Resources(format!("{e:#}")))),
+            Err(CallError::Call(_)) if state.timed_out => Err(HandlerFailure::Deadline(self.limits.deadline)),
+            Err(CallError::Call(_)) if state.limiter.memory_hit => Err(HandlerFailure::Memory(self.limits.memory)),
+            Err(CallError::Call(e)) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
+                Some(exit) => Err(HandlerFailure::Exit(exit.0)),
+                None => {
+                    let mut reason = match e.downcast_ref::<wasmtime::Trap>() {
+                        Some(trap) => format!("trap: {trap}"),
+                        None => format!("{e:#}"),
+                    };
+                    match last_stderr {
+                        Some(line) => reason.push_str(&format!(" (guest stderr: {line})")),
+                        None if matches!(e.downcast_ref::<wasmtime::Trap>(), Some(wasmtime::Trap::UnreachableCodeReached)) => {
+                            reason.push_str(&format!(" ({UNEXPLAINED_TRAP})"))
+                        }
+                        None => {}
+                    }
+                    Err(HandlerFailure::Crash(reason))
+                }
+            },
         };
         HandleOutput {
             scope: state.scope,

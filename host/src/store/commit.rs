@@ -199,26 +199,59 @@ pub trait BatchCommit: Send + Sync {
     /// order), calling it once the transaction can start at once. A store
     /// whose transactions wait their turn (the Spanner emulator) waits first,
     /// so what was queued meanwhile joins this batch instead of waiting a
-    /// whole turn more. The default collects at once.
-    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
-        self.commit_batch(collect()).await
-    }
+    /// whole turn more. A store without turns collects at once.
+    ///
+    /// No method here has a default: a decorator must forward each one.
+    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<Pending> + Send + Sync)) -> Vec<StoreResult<()>>;
 
     /// Its commits block the thread they run on (SQLite's statements and
     /// fsync): the committer then runs on a thread of its own, not on the
     /// runtime whose threads run the handlers (on a multi-threaded runtime,
     /// as `onceq run` has; a single-threaded one runs it as a task).
-    fn blocks(&self) -> bool {
-        false
-    }
+    fn blocks(&self) -> bool;
 }
 
-/// What the committer is given: a message to commit with others, or other
-/// work to run between two batches ([`Group::run`]).
+/// What the committer is given: a message to commit with others, other
+/// work to run between two batches ([`Group::run`]), or a request to stop
+/// between two batches for a message that must go first ([`Group::hold`]).
 enum Job {
     Commit(Pending, oneshot::Sender<StoreResult<()>>),
     Run(Pin<Box<dyn Future<Output = ()> + Send>>),
+    Hold(oneshot::Sender<Hold>),
 }
+
+type Submission = (Pending, oneshot::Sender<StoreResult<()>>);
+
+/// The committer stopped between two batches for one message
+/// ([`Group::hold`]): what the message reads now, no batch changes before
+/// its commit, which is the first of the next batch. Dropping it lets the
+/// committer go on; so does [`HOLD_MAX`] passing.
+pub struct Hold {
+    submit: oneshot::Sender<Submission>,
+}
+
+impl Hold {
+    /// Commit `p` first in the next batch; its own result. `Err(p)` if the
+    /// committer stopped waiting (after [`HOLD_MAX`]): commit it the usual
+    /// way then.
+    pub async fn commit(self, p: Pending) -> Result<StoreResult<()>, Pending> {
+        let (tx, rx) = oneshot::channel();
+        match self.submit.send((p, tx)) {
+            Ok(()) => Ok(rx.await.unwrap_or_else(|_| {
+                Err(StoreError::UnknownOutcome(
+                    "the committer stopped during this message's batch".into(),
+                ))
+            })),
+            Err((p, _)) => Err(p),
+        }
+    }
+}
+
+/// The longest the committer waits for a held message ([`Group::hold`])
+/// before it goes on with the others: a handler that reads a hot row and
+/// computes for longer than this loses its turn (it is then committed as
+/// usual).
+pub const HOLD_MAX: Duration = Duration::from_millis(500);
 
 /// Group commit: see the module docs. One committer per store takes
 /// what is queued (up to `max_batch`) and commits it while the workers go
@@ -289,6 +322,19 @@ impl Group {
             .unwrap_or_else(|_| Err(StoreError::Unavailable("the committer stopped before this write ended".into())))
     }
 
+    /// Wait until the committer is between two batches and keep it there:
+    /// for a message that lost to contention again and again (its reads
+    /// changed by the batches committed while it ran). Read after this, and
+    /// committed through the [`Hold`], it goes first in the next batch, and
+    /// nothing can change what it read in between (on this host). Holds
+    /// are served one at a time, in order.
+    pub async fn hold(&self, driver: impl Fn() -> Arc<dyn BatchCommit>) -> StoreResult<Hold> {
+        let (tx, rx) = oneshot::channel();
+        self.send(driver, Job::Hold(tx))?;
+        rx.await
+            .map_err(|_| StoreError::Unavailable("the committer stopped before it could hold".into()))
+    }
+
     /// Queue `job` for the committer, starting one if there is none (or it
     /// is gone).
     fn send(&self, driver: impl Fn() -> Arc<dyn BatchCommit>, job: Job) -> StoreResult<()> {
@@ -353,8 +399,8 @@ fn on_own_thread(run: impl Future<Output = ()> + Send + 'static) -> StoreResult<
 
 /// The committer: take what is queued (up to `max_batch`, after waiting
 /// `max_wait` for more), commit it, hand out the results, then run the
-/// other work queued meanwhile; until every sender is gone (the store was
-/// dropped).
+/// other work queued meanwhile and serve the holds; until every sender is
+/// gone (the store was dropped).
 async fn committer(
     mut rx: mpsc::UnboundedReceiver<Job>,
     driver: Arc<dyn BatchCommit>,
@@ -362,21 +408,34 @@ async fn committer(
     batches: Arc<std::sync::atomic::AtomicU64>,
     messages: Arc<std::sync::atomic::AtomicU64>,
 ) {
-    while let Some(job) = rx.recv().await {
+    // Work and holds met while collecting a batch, for after it, in order.
+    let mut carried: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
+    loop {
+        let job = match carried.pop_front() {
+            Some(job) => job,
+            None => match rx.recv().await {
+                Some(job) => job,
+                None => break,
+            },
+        };
         let first = match job {
             Job::Commit(p, tx) => (p, tx),
             Job::Run(work) => {
                 work.await;
                 continue;
             }
+            Job::Hold(grant) => match held(grant).await {
+                Some(first) => first,
+                None => continue,
+            },
         };
         if !options.max_wait.is_zero() {
             tokio::time::sleep(options.max_wait).await;
         }
         // The first job, then the commits queued when the driver collects
         // (up to max_batch), their senders in the same order, and the other
-        // work queued among them, for after the batch.
-        let queue = Mutex::new((Some(first), &mut rx, Vec::new(), Vec::new()));
+        // jobs queued among them, for after the batch.
+        let queue = Mutex::new((Some(first), &mut rx, Vec::new(), &mut carried));
         let collect = || {
             let mut q = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let (first, rx, senders, later) = &mut *q;
@@ -392,7 +451,7 @@ async fn committer(
                             next = Some((p, tx));
                             break;
                         }
-                        Ok(Job::Run(work)) => later.push(work),
+                        Ok(other) => later.push_back(other),
                         Err(_) => break,
                     }
                 }
@@ -400,7 +459,7 @@ async fn committer(
             batch
         };
         let results = driver.commit_collected(&collect).await;
-        let (first, _, senders, later) = queue.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (first, _, senders, _) = queue.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some((_, tx)) = first {
             // The driver never collected: it has no result for this job.
             let _ = tx.send(Err(StoreError::Permanent("the batch commit collected nothing".into())));
@@ -414,9 +473,17 @@ async fn committer(
                 .unwrap_or_else(|| Err(StoreError::Permanent("batch commit returned too few results".into())));
             let _ = tx.send(r);
         }
-        for work in later {
-            work.await;
-        }
+    }
+}
+
+/// Serve a hold: grant it, then wait (at most [`HOLD_MAX`]) for the held
+/// message, which then starts the next batch. `None` if it never came.
+async fn held(grant: oneshot::Sender<Hold>) -> Option<Submission> {
+    let (submit, submitted) = oneshot::channel();
+    grant.send(Hold { submit }).ok()?;
+    match tokio::time::timeout(HOLD_MAX, submitted).await {
+        Ok(Ok(first)) => Some(first),
+        _ => None,
     }
 }
 
@@ -448,6 +515,14 @@ mod tests {
                     _ => Ok(()),
                 })
                 .collect()
+        }
+
+        async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+            self.commit_batch(collect()).await
+        }
+
+        fn blocks(&self) -> bool {
+            false
         }
     }
 

@@ -28,6 +28,9 @@ pub struct FaultPlan {
     /// Every lease renewal fails with `Unavailable` (a worker cut off from
     /// the database while its handler runs).
     pub renewals_fail: bool,
+    /// Every lease renewal waits this long before it runs (a store that
+    /// stops answering a renewal without failing it).
+    pub renewal_delay: Option<Duration>,
     /// Every handler read waits this long before it answers (a database
     /// that stops answering mid-transaction).
     pub read_delay: Option<Duration>,
@@ -48,7 +51,7 @@ pub struct FaultPlan {
 pub struct FaultCounts {
     pub after_commit: AtomicU64,
     pub before_commit: AtomicU64,
-    /// Lease renewals refused (`renewals_fail`).
+    /// Lease renewals asked for (refused with `renewals_fail`).
     pub renewals: AtomicU64,
     /// Lease calls passed through (tests count an idle queue's polls).
     pub leases: AtomicU64,
@@ -74,6 +77,31 @@ enum Fault {
 }
 
 impl Injector {
+    /// Commit `tx` (held, if `hold`), with the faults drawn.
+    async fn commit(&self, tx: Box<dyn Transaction>, hold: Option<commit::Hold>) -> StoreResult<()> {
+        hang(self.plan.commit_delay).await;
+        let commit = |tx: Box<dyn Transaction>, hold: Option<commit::Hold>| async move {
+            match hold {
+                Some(h) => tx.commit_held(h).await,
+                None => tx.commit().await,
+            }
+        };
+        match self.draw() {
+            Fault::None => commit(tx, hold).await,
+            Fault::AfterCommit => {
+                // Only a commit that really landed counts as this fault.
+                commit(tx, hold).await?;
+                self.counts.after_commit.fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::UnknownOutcome("injected: commit landed, response lost".into()))
+            }
+            Fault::BeforeCommit => {
+                self.counts.before_commit.fetch_add(1, Ordering::Relaxed);
+                tx.rollback().await;
+                Err(StoreError::UnknownOutcome("injected: commit request lost".into()))
+            }
+        }
+    }
+
     fn draw(&self) -> Fault {
         if let Some(limit) = self.plan.limit {
             if self.counts.total() >= limit {
@@ -131,21 +159,43 @@ impl Store for FaultyStore {
         hang(self.injector.plan.lease_delay).await;
         self.inner.message_lease(params).await
     }
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        self.injector.counts.leases.fetch_add(1, Ordering::Relaxed);
+        match self.injector.plan.lease_delay {
+            // A slow lease: the requests are gathered when it starts, then
+            // it takes its time.
+            Some(delay) => {
+                let n = collect();
+                tokio::time::sleep(delay).await;
+                self.inner.message_lease_collected(queue, lease, &|| n).await
+            }
+            None => self.inner.message_lease_collected(queue, lease, collect).await,
+        }
+    }
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
+        self.injector.counts.renewals.fetch_add(1, Ordering::Relaxed);
         if self.injector.plan.renewals_fail {
-            self.injector.counts.renewals.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Unavailable("injected: lease renewal failed".into()));
         }
+        hang(self.injector.plan.renewal_delay).await;
         self.inner.message_lease_renew(leases, duration).await
     }
     async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
         self.inner.message_release(lease).await
     }
-    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
-        self.inner.message_retry_later(lease, delay, reason).await
+    async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()> {
+        self.inner.message_retry_later(lease, p).await
     }
     async fn message_dead_letter(&self, lease: &Lease, params: DeadLetterParams) -> StoreResult<()> {
         self.inner.message_dead_letter(lease, params).await
+    }
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
+        self.inner.commit_hold().await
     }
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
         Ok(Box::new(FaultyTransaction {
@@ -224,21 +274,12 @@ impl Transaction for FaultyTransaction {
         self.inner.message_ack(lease)
     }
     async fn commit(self: Box<Self>) -> StoreResult<()> {
-        hang(self.injector.plan.commit_delay).await;
-        match self.injector.draw() {
-            Fault::None => self.inner.commit().await,
-            Fault::AfterCommit => {
-                // Only a commit that really landed counts as this fault.
-                self.inner.commit().await?;
-                self.injector.counts.after_commit.fetch_add(1, Ordering::Relaxed);
-                Err(StoreError::UnknownOutcome("injected: commit landed, response lost".into()))
-            }
-            Fault::BeforeCommit => {
-                self.injector.counts.before_commit.fetch_add(1, Ordering::Relaxed);
-                self.inner.rollback().await;
-                Err(StoreError::UnknownOutcome("injected: commit request lost".into()))
-            }
-        }
+        let injector = self.injector.clone();
+        injector.commit(self.inner, None).await
+    }
+    async fn commit_held(self: Box<Self>, hold: commit::Hold) -> StoreResult<()> {
+        let injector = self.injector.clone();
+        injector.commit(self.inner, Some(hold)).await
     }
     async fn rollback(self: Box<Self>) {
         self.inner.rollback().await
@@ -287,28 +328,56 @@ impl FaultyBatch {
     }
 }
 
+impl FaultyBatch {
+    fn roll(&self) -> f64 {
+        self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0)
+    }
+
+    /// What the batch's messages see: `results` as they are, or every one
+    /// an unknown outcome when `roll` says the batch landed and the answer
+    /// was lost.
+    fn landed(&self, roll: f64, results: Vec<StoreResult<()>>) -> Vec<StoreResult<()>> {
+        let n = results.len();
+        if roll < self.plan.before_commit + self.plan.after_commit && n > 0 && results.iter().all(Result::is_ok) {
+            self.counts.landed_batches.fetch_add(1, Ordering::Relaxed);
+            self.counts.landed_messages.fetch_add(n as u64, Ordering::Relaxed);
+            return (0..n)
+                .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} landed"))))
+                .collect();
+        }
+        results
+    }
+
+    fn dropped(&self, n: usize) -> Vec<StoreResult<()>> {
+        self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
+        self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
+        (0..n)
+            .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} was dropped"))))
+            .collect()
+    }
+}
+
 #[async_trait]
 impl commit::BatchCommit for FaultyBatch {
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
-        let n = batch.len();
-        let roll: f64 = self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0);
-        let unknown = |what: &str| {
-            (0..n)
-                .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} {what}"))))
-                .collect()
-        };
+        let roll = self.roll();
         if roll < self.plan.before_commit {
-            self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
-            self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
-            return unknown("was dropped");
+            return self.dropped(batch.len());
         }
         let results = self.inner.commit_batch(batch).await;
-        if roll < self.plan.before_commit + self.plan.after_commit && results.iter().all(Result::is_ok) {
-            self.counts.landed_batches.fetch_add(1, Ordering::Relaxed);
-            self.counts.landed_messages.fetch_add(n as u64, Ordering::Relaxed);
-            return unknown("landed");
+        self.landed(roll, results)
+    }
+
+    /// The driver's own collecting commit (the emulator's turn), with the
+    /// same faults: a dropped batch is collected and answered without
+    /// being committed.
+    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+        let roll = self.roll();
+        if roll < self.plan.before_commit {
+            return self.dropped(collect().len());
         }
-        results
+        let results = self.inner.commit_collected(collect).await;
+        self.landed(roll, results)
     }
 
     fn blocks(&self) -> bool {

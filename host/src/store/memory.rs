@@ -160,6 +160,10 @@ impl Transaction for FixtureTransaction {
         Err(StoreError::Permanent("a fixture transaction is never committed".into()))
     }
 
+    async fn commit_held(self: Box<Self>, _hold: crate::store::commit::Hold) -> StoreResult<()> {
+        self.commit().await
+    }
+
     async fn rollback(self: Box<Self>) {}
 }
 

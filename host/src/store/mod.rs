@@ -139,10 +139,16 @@ pub struct Lease {
 /// A message with its lease.
 #[derive(Debug, Clone)]
 pub struct LeasedMessage {
+    /// `message.attempt` is the delivery count, this lease included.
     pub message: Message,
     pub lease: Lease,
     /// Lease deadline, database time (µs since the epoch).
     pub lease_until: i64,
+    /// Failed verdicts of the message's own so far (the handler failed or
+    /// asked to retry, or its effects were refused): what
+    /// `queue.max_attempts` bounds. Leases that ended without a verdict
+    /// (a crash, an expiry, the host's own trouble) are not counted here.
+    pub failures: u32,
 }
 
 /// Parameters of a send (a producer's message, or a handler's follow-up).
@@ -184,6 +190,23 @@ pub struct LeaseParams {
 pub struct DeadLetterParams {
     pub reason: String,
     pub handler_version: Option<String>,
+    /// The message's own verdict was a failure: the dead letter records
+    /// one more failure than the message had. False when the message is
+    /// parked without one (too many deliveries without a verdict).
+    pub failed: bool,
+}
+
+/// Parameters of [`Store::message_retry_later`].
+#[derive(Debug, Clone)]
+pub struct RetryParams {
+    /// Visible again after this long.
+    pub delay: Duration,
+    /// Why, kept as the message's last error.
+    pub reason: String,
+    /// The message's own verdict was a failure (counted toward
+    /// `max_attempts`); false when the host defers it for its own trouble
+    /// (the store failed or stalled, resources ran out, contention).
+    pub failed: bool,
 }
 
 /// Which queues a listing covers.
@@ -215,8 +238,10 @@ pub struct QueuedMessage {
     pub payload: Vec<u8>,
     pub payload_text: String,
     pub attributes: Vec<(String, String)>,
-    /// Attempts so far (leases taken).
-    pub attempt: u32,
+    /// Leases taken so far (a release at shutdown gives one back).
+    pub deliveries: u32,
+    /// Failed verdicts of its own so far (what `max_attempts` bounds).
+    pub failures: u32,
     pub enqueued_at: i64,
     /// When it is (or was) visible to a lease, database time (µs).
     pub visible_at: i64,
@@ -235,7 +260,11 @@ pub struct DeadLetter {
     pub payload: Vec<u8>,
     pub payload_text: String,
     pub attributes: Vec<(String, String)>,
-    pub attempts: u32,
+    /// Leases it was given.
+    pub deliveries: u32,
+    /// Failed verdicts of its own (a message parked after too many
+    /// deliveries without a verdict may have none).
+    pub failures: u32,
     pub enqueued_at: i64,
     pub failed_at: i64,
     pub reason: String,
@@ -295,9 +324,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// The store's group commit, when it has one: its counts of batches
     /// and of injected faults.
-    fn commit_group(&self) -> Option<&commit::Group> {
-        None
-    }
+    ///
+    /// No method of this trait has a default: a decorator (the fault
+    /// injector) must forward each one, or the compiler says so.
+    fn commit_group(&self) -> Option<&commit::Group>;
 
     /// The business tables, as read from the database when it was opened.
     fn schema(&self) -> Arc<Schema>;
@@ -306,44 +336,44 @@ pub trait Store: Send + Sync + 'static {
     async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>>;
 
     /// Lease up to `limit` visible messages of a queue: give each a new
-    /// token, make it invisible until now + lease, count the attempt.
+    /// token, make it invisible until now + lease, count the delivery.
     async fn message_lease(&self, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>>;
 
     /// [`Store::message_lease`] for as many messages as `collect` returns,
     /// calling it once the lease can run at once: a store whose transactions
     /// wait their turn (the Spanner emulator) waits first, so requests made
-    /// meanwhile join this lease (`protocol::lease`). The default collects
-    /// at once.
+    /// meanwhile join this lease (`protocol::lease`). A store without
+    /// turns collects at once.
     async fn message_lease_collected(
         &self,
         queue: &str,
         lease: Duration,
         collect: &(dyn Fn() -> usize + Send + Sync),
-    ) -> StoreResult<Vec<LeasedMessage>> {
-        self.message_lease(LeaseParams {
-            queue: queue.to_owned(),
-            limit: collect(),
-            lease,
-        })
-        .await
-    }
+    ) -> StoreResult<Vec<LeasedMessage>>;
 
     /// Extend leases to now + `duration`, each guarded by its token, in one
     /// transaction (a worker renews its whole batch at once). Per lease:
     /// `true` if renewed, `false` if lost (expired and re-leased, or acked).
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>>;
 
-    /// Give the message back without counting the attempt (shutdown).
+    /// Give the message back without counting the delivery (shutdown).
     async fn message_release(&self, lease: &Lease) -> StoreResult<()>;
 
-    /// Make the message visible again after `delay`, recording `reason`.
-    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()>;
+    /// Make the message visible again after `p.delay`, recording
+    /// `p.reason`, and count a failure if `p.failed`.
+    async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()>;
 
     /// Move the message to the dead-letter table, in one transaction.
     async fn message_dead_letter(&self, lease: &Lease, params: DeadLetterParams) -> StoreResult<()>;
 
     /// Start a message transaction.
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>>;
+
+    /// Stop the store's committer between two batches for one message
+    /// ([`commit::Group::hold`]), before its transaction begins; commit it
+    /// with [`Transaction::commit_held`]. `None` for a store without a
+    /// committer.
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>>;
 
     /// Counts per queue (outbox queues included), with dedup keys held.
     async fn stats(&self) -> StoreResult<Stats>;
@@ -353,7 +383,8 @@ pub trait Store: Send + Sync + 'static {
 
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>>;
 
-    /// Move a dead letter back onto its queue (attempts reset), in one
+    /// Move a dead letter back onto its queue (deliveries and failures
+    /// reset), in one
     /// transaction. Returns the new message id, or `None` if there was no
     /// such dead letter.
     async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>>;
@@ -416,6 +447,10 @@ pub trait Transaction: Send {
 
     /// Apply everything atomically, or nothing.
     async fn commit(self: Box<Self>) -> StoreResult<()>;
+
+    /// [`Transaction::commit`], first in the batch the hold stopped the
+    /// committer for ([`Store::commit_hold`]).
+    async fn commit_held(self: Box<Self>, hold: commit::Hold) -> StoreResult<()>;
 
     /// Discard everything.
     async fn rollback(self: Box<Self>);

@@ -63,13 +63,14 @@ pub fn system_ddl() -> Vec<String> {
         "CREATE TABLE onceq_messages (
             shard INT64 NOT NULL, id STRING(64) NOT NULL, queue STRING(256) NOT NULL,
             payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL, attempt INT64 NOT NULL,
-            enqueued_at INT64 NOT NULL, visible_at INT64 NOT NULL, lease_token STRING(64), last_error STRING(MAX)
+            enqueued_at INT64 NOT NULL, visible_at INT64 NOT NULL, lease_token STRING(64), last_error STRING(MAX),
+            failures INT64 NOT NULL DEFAULT (0)
          ) PRIMARY KEY (shard, id)",
         "CREATE INDEX onceq_messages_visible ON onceq_messages (queue, shard, visible_at)",
         "CREATE TABLE onceq_dead_letters (
             id STRING(64) NOT NULL, queue STRING(256) NOT NULL, payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL,
             attempts INT64 NOT NULL, enqueued_at INT64 NOT NULL, failed_at INT64 NOT NULL, reason STRING(MAX) NOT NULL,
-            handler_version STRING(64)
+            handler_version STRING(64), failures INT64 NOT NULL DEFAULT (0)
          ) PRIMARY KEY (id)",
         "CREATE TABLE onceq_dedup (
             queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
@@ -548,6 +549,50 @@ async fn database_admin(spanner: &Spanner) -> anyhow::Result<google_cloud_spanne
     b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))
 }
 
+/// A start-up query, retried while the failure is transient (no answer
+/// within the call deadline, unavailable): each failure logged at WARN with
+/// its pause, up to about a minute and a half in all, before the host gives
+/// up with the last error.
+async fn retrying<T, Fut: std::future::Future<Output = StoreResult<T>>>(what: &str, mut call: impl FnMut() -> Fut) -> StoreResult<T> {
+    const TRIES: u32 = 8;
+    let mut pause = Duration::from_millis(200);
+    for attempt in 1..=TRIES {
+        match call().await {
+            Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && attempt < TRIES => {
+                tracing::warn!(
+                    "{what} failed (try {attempt} of {TRIES}, again in {}): {e}",
+                    crate::names::duration(pause)
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+            other => return other,
+        }
+    }
+    Err(StoreError::Unavailable(format!("{what}: no try left")))
+}
+
+/// Apply `statements` to `database` and wait for them, within five minutes.
+async fn update_ddl(database: &str, statements: Vec<String>) -> anyhow::Result<()> {
+    use google_cloud_lro::Poller;
+    let spanner = Spanner::builder()
+        .build()
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+    let admin = database_admin(&spanner).await?;
+    let update = admin
+        .update_database_ddl()
+        .set_database(database)
+        .set_statements(statements.clone())
+        .poller()
+        .until_done();
+    tokio::time::timeout(Duration::from_secs(300), update)
+        .await
+        .map_err(|_| anyhow::anyhow!("updating the schema of {database}: no answer within 5m"))?
+        .map_err(|e| anyhow::anyhow!("updating the schema of {database} ({}): {e}", statements.join("; ")))?;
+    Ok(())
+}
+
 impl SpannerStore {
     /// `onceq init` on Spanner: on the emulator also create the instance;
     /// create the database with onceq's tables and the business DDL.
@@ -638,10 +683,18 @@ impl SpannerStore {
             .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
         let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
         let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
-        let schema = Self::load_schema_retrying(&pool)
-            .await
-            .map_err(|e| anyhow::anyhow!("reading the schema of {}: {e}", opts.database))?;
-        let counts = match pool.within("the counts table query", false, Self::has_counts_table(&pool)).await? {
+        let schema = retrying("the schema query", || {
+            pool.within("the schema query", false, Self::load_schema(&pool))
+        })
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("reading the schema of {}", opts.database)))?;
+        let tables = retrying("the system tables query", || {
+            pool.within("the system tables query", false, Self::system_columns(&pool))
+        })
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
+        Self::migrate(&pool, &opts.database, &tables).await?;
+        let counts = match tables.contains(&("onceq_counts".to_string(), "processed".to_string())) {
             true => Some(shard_of(&random_id(), u32::MAX)),
             false => {
                 tracing::warn!(
@@ -662,41 +715,55 @@ impl SpannerStore {
         })
     }
 
-    /// The schema, read at start-up: a transient failure (no answer within
-    /// the call deadline, unavailable) is retried a few times, each logged,
-    /// before the host gives up with the last error.
-    async fn load_schema_retrying(pool: &Arc<Pool>) -> StoreResult<Schema> {
-        let mut pause = Duration::from_millis(200);
-        for attempt in 1.. {
-            match pool.within("the schema query", false, Self::load_schema(pool)).await {
-                Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && attempt < 5 => {
-                    tracing::warn!("reading the schema failed (attempt {attempt} of 5, retrying in {pause:?}): {e}");
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
-                }
-                other => return other,
-            }
-        }
-        Err(StoreError::Unavailable("reading the schema: no attempt left".into()))
-    }
-
-    async fn has_counts_table(pool: &Arc<Pool>) -> StoreResult<bool> {
+    /// onceq's own tables and their columns, as (table, column).
+    async fn system_columns(pool: &Arc<Pool>) -> StoreResult<BTreeSet<(String, String)>> {
         let c = pool.get().await?;
         let mut rs = c
             .single_use()
             .build()
             .execute_query(
                 Statement::builder(
-                    "SELECT COUNT(*) FROM INFORMATION_SCHEMA.TABLES WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_counts'",
+                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.COLUMNS
+                     WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_')",
                 )
                 .build(),
             )
             .await
             .map_err(classify)?;
-        match rs.next().await {
-            Some(r) => Ok(r.map_err(classify)?.get::<i64>(0).map_err(classify)? > 0),
-            None => Ok(false),
+        let mut out = BTreeSet::new();
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            out.insert((r.get::<String>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?));
         }
+        Ok(out)
+    }
+
+    /// Bring a database made by an older onceq up to date: the `failures`
+    /// columns (failures counted apart from deliveries). A queued message
+    /// starts with none; a dead letter keeps its old count as its failures.
+    async fn migrate(pool: &Arc<Pool>, database: &str, tables: &BTreeSet<(String, String)>) -> anyhow::Result<()> {
+        let has = |t: &str, c: &str| tables.contains(&(t.to_string(), c.to_string()));
+        let mut ddl = Vec::new();
+        for table in ["onceq_messages", "onceq_dead_letters"] {
+            if has(table, "id") && !has(table, "failures") {
+                ddl.push(format!("ALTER TABLE {table} ADD COLUMN failures INT64 NOT NULL DEFAULT (0)"));
+            }
+        }
+        if ddl.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(%database, "adding the failure counts to onceq's tables: {}", ddl.join("; "));
+        update_ddl(database, ddl).await?;
+        if has("onceq_dead_letters", "id") && !has("onceq_dead_letters", "failures") {
+            let stmt = Statement::builder("UPDATE onceq_dead_letters SET failures = attempts WHERE failures = 0").build();
+            pool.rw("the dead letters' failure counts", move |tx| {
+                let stmt = stmt.clone();
+                async move { tx.execute_update(stmt).await }
+            })
+            .await
+            .map_err(|e| anyhow::Error::new(e).context(format!("setting the failure counts of old dead letters in {database}")))?;
+        }
+        Ok(())
     }
 
     async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
@@ -907,7 +974,7 @@ fn lease_error(e: StoreError, lease: &Lease) -> StoreError {
 
 /// The columns a lease reads of each candidate's row, in
 /// [`message_from_row`]'s order.
-const LEASED_COLUMNS: [&str; 8] = [
+const LEASED_COLUMNS: [&str; 9] = [
     "shard",
     "id",
     "payload",
@@ -916,6 +983,7 @@ const LEASED_COLUMNS: [&str; 8] = [
     "enqueued_at",
     "visible_at",
     "queue",
+    "failures",
 ];
 
 /// A row of [`LEASED_COLUMNS`], leased with `token` until `until` as its
@@ -930,6 +998,7 @@ fn message_from_row(
     let shard: i64 = r.get(0).map_err(classify)?;
     let id: String = r.get(1).map_err(classify)?;
     let attributes: String = r.get(3).map_err(classify)?;
+    let failures: i64 = r.get(8).map_err(classify)?;
     Ok(LeasedMessage {
         message: Message {
             id: id.clone(),
@@ -946,6 +1015,7 @@ fn message_from_row(
             token: token.to_string(),
         },
         lease_until: until,
+        failures: u32::try_from(failures).unwrap_or(u32::MAX),
     })
 }
 
@@ -1419,12 +1489,15 @@ struct SpannerBatch {
 }
 
 impl SpannerBatch {
-    async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>) -> StoreResult<Vec<StoreResult<()>>> {
+    /// The batch in one transaction. `lost` is told which messages the
+    /// transaction's last run found with their lease gone: a decision that
+    /// holds even when the transaction then fails as a whole.
+    async fn commit_all(&self, batch: Arc<Vec<commit::Pending>>, lost: Arc<Mutex<Vec<bool>>>) -> StoreResult<Vec<StoreResult<()>>> {
         let (schema, shards, window, counts) = (self.schema.clone(), self.shards, self.window, self.counts);
         let assert_one = batch.len() == 1;
         self.pool
             .rw("a commit", move |tx| {
-                let (batch, schema) = (batch.clone(), schema.clone());
+                let (batch, schema, lost) = (batch.clone(), schema.clone(), lost.clone());
                 async move {
                     let seen = read_ahead(&tx, &batch, &[], !assert_one, counts).await?;
                     let mut ex = SpannerExec::new(&schema, seen, assert_one);
@@ -1442,6 +1515,9 @@ impl SpannerBatch {
                             }
                         }
                         results.push(r);
+                    }
+                    if let Ok(mut lost) = lost.lock() {
+                        *lost = results.iter().map(|r| matches!(r, Err(StoreError::LeaseLost { .. }))).collect();
                     }
                     let by_queue = commit::processed_by_queue(&batch, &results);
                     ex.write_all(&tx, shards, counts.map(|shard| (shard, &by_queue))).await?;
@@ -1468,12 +1544,26 @@ impl commit::BatchCommit for SpannerBatch {
         self.pool.in_turn(|| self.commit_batch(collect())).await
     }
 
+    fn blocks(&self) -> bool {
+        false
+    }
+
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         let batch = Arc::new(batch);
-        let e = match self.commit_all(batch.clone()).await {
+        let lost = Arc::new(Mutex::new(Vec::new()));
+        let e = match self.commit_all(batch.clone(), lost.clone()).await {
             Ok(results) => return results,
             Err(e) => e,
+        };
+        // A message decided as lease-lost stays lost whatever became of
+        // the batch: it hears that, not the batch's error.
+        let lost: Vec<bool> = lost.lock().map(|l| l.clone()).unwrap_or_default();
+        let lost_or = |i: usize, e: &StoreError| match batch.get(i).and_then(|p| p.ack.as_ref()) {
+            Some(lease) if lost.get(i).copied().unwrap_or(false) => StoreError::LeaseLost {
+                message_id: lease.message_id.clone(),
+            },
+            _ => e.clone(),
         };
         if n == 1 {
             let r = match &batch[0].ack {
@@ -1483,13 +1573,17 @@ impl commit::BatchCommit for SpannerBatch {
             return vec![Err(r)];
         }
         if e.is_unknown_outcome() || e.is_retryable() {
-            return (0..n).map(|_| Err(e.clone())).collect();
+            return (0..n).map(|i| Err(lost_or(i, &e))).collect();
         }
         tracing::debug!("a batch of {n} failed ({e}); committing its messages one by one");
         let mut out = Vec::with_capacity(n);
-        for p in batch.iter() {
+        for (i, p) in batch.iter().enumerate() {
+            if lost.get(i).copied().unwrap_or(false) {
+                out.push(Err(lost_or(i, &e)));
+                continue;
+            }
             let one = Arc::new(vec![p.clone()]);
-            out.push(match self.commit_all(one).await {
+            out.push(match self.commit_all(one, Arc::new(Mutex::new(Vec::new()))).await {
                 Ok(mut r) => r.pop().unwrap_or(Ok(())),
                 Err(e) => Err(match &p.ack {
                     Some(lease) => lease_error(e, lease),
@@ -1630,9 +1724,12 @@ fn dead_letter_table() -> TableSchema {
             ("failed_at", Int64),
             ("reason", String),
             ("handler_version", String),
+            ("failures", Int64),
         ],
     )
 }
+
+const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
 
 fn dead_letter_from(row: Row) -> DeadLetter {
     let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
@@ -1654,7 +1751,8 @@ fn dead_letter_from(row: Row) -> DeadLetter {
         payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
         payload,
         attributes: attrs_from_json(&s(3)),
-        attempts: u32::try_from(n(4)).unwrap_or(0),
+        deliveries: u32::try_from(n(4)).unwrap_or(0),
+        failures: u32::try_from(n(9)).unwrap_or(0),
         enqueued_at: n(5),
         failed_at: n(6),
         reason: s(7),
@@ -1877,13 +1975,14 @@ impl Store for SpannerStore {
         .await
     }
 
-    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
+    async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()> {
+        let failures = if p.failed { "failures = failures + 1, " } else { "" };
         self.guarded_update(
             "a retry later",
             lease,
-            &format!("visible_at = {NOW} + @n, lease_token = NULL, last_error = @x"),
-            micros(delay),
-            Some(reason.to_string()),
+            &format!("{failures}visible_at = {NOW} + @n, lease_token = NULL, last_error = @x"),
+            micros(p.delay),
+            Some(p.reason),
         )
         .await
     }
@@ -1894,10 +1993,11 @@ impl Store for SpannerStore {
             .add_param("id", id.clone())
             .build();
         let copy = Statement::builder(format!(
-            "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version)
-             SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, @r, @v FROM onceq_messages
+            "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures)
+             SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, @r, @v, failures + @f FROM onceq_messages
              WHERE shard = @s AND id = @id AND lease_token = @t"
         ))
+        .add_param("f", i64::from(p.failed))
         .add_param("s", shard)
         .add_param("id", id.clone())
         .add_param("t", lease.token.clone())
@@ -1923,6 +2023,11 @@ impl Store for SpannerStore {
         .map_err(|e| lease_error(e, lease))
     }
 
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
+        let driver = batch_driver(&self.pool, &self.schema, self.shards, self.options.dedup_window, self.counts);
+        self.group.hold(driver).await.map(Some)
+    }
+
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
         Ok(Box::new(SpannerTransaction {
             pool: self.pool.clone(),
@@ -1944,7 +2049,7 @@ impl Store for SpannerStore {
         let t = dead_letter_table();
         let (cond, q) = queue_condition(queues);
         let stmt = Statement::builder(format!(
-            "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version FROM onceq_dead_letters
+            "SELECT {DEAD_COLUMNS} FROM onceq_dead_letters
              WHERE {cond} ORDER BY failed_at DESC, id LIMIT @n"
         ))
         .add_param("q", q)
@@ -1955,19 +2060,17 @@ impl Store for SpannerStore {
 
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
         let t = dead_letter_table();
-        let stmt = Statement::builder(
-            "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version FROM onceq_dead_letters WHERE id = @id",
-        )
-        .add_param("id", id.to_string())
-        .build();
+        let stmt = Statement::builder(format!("SELECT {DEAD_COLUMNS} FROM onceq_dead_letters WHERE id = @id"))
+            .add_param("id", id.to_string())
+            .build();
         Ok(self.query_rows(stmt, &t).await?.into_iter().next().map(dead_letter_from))
     }
 
     async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
         let shard = shard_of(id, self.shards);
         let copy = Statement::builder(format!(
-            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at)
-             SELECT @s, id, queue, payload, attributes, 0, enqueued_at, {NOW} FROM onceq_dead_letters WHERE id = @id"
+            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
+             SELECT @s, id, queue, payload, attributes, 0, enqueued_at, {NOW}, 0 FROM onceq_dead_letters WHERE id = @id"
         ))
         .add_param("s", shard)
         .add_param("id", id.to_string())
@@ -2100,7 +2203,7 @@ fn queue_condition(q: Queues<'_>) -> (&'static str, String) {
 }
 
 const QUEUED_COLUMNS: &str = "id, queue, payload, attributes, attempt, enqueued_at, visible_at,
-    lease_token IS NOT NULL AND visible_at > UNIX_MICROS(CURRENT_TIMESTAMP()), last_error";
+    lease_token IS NOT NULL AND visible_at > UNIX_MICROS(CURRENT_TIMESTAMP()), last_error, failures";
 
 fn queued_table() -> TableSchema {
     use ColumnType::*;
@@ -2116,6 +2219,7 @@ fn queued_table() -> TableSchema {
             ("visible_at", Int64),
             ("leased", Bool),
             ("last_error", String),
+            ("failures", Int64),
         ],
     )
 }
@@ -2138,7 +2242,7 @@ fn queued_from(row: Row) -> QueuedMessage {
         _ => Vec::new(),
     };
     let attributes = attrs_from_json(&text(next()));
-    let attempt = u32::try_from(int(next())).unwrap_or(u32::MAX);
+    let deliveries = u32::try_from(int(next())).unwrap_or(u32::MAX);
     let enqueued_at = int(next());
     let visible_at = int(next());
     let leased = matches!(next(), Value::Bool(true));
@@ -2146,17 +2250,45 @@ fn queued_from(row: Row) -> QueuedMessage {
         Value::String(s) => Some(s),
         _ => None,
     };
+    let failures = u32::try_from(int(next())).unwrap_or(u32::MAX);
     QueuedMessage {
         id,
         queue,
         payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
         payload,
         attributes,
-        attempt,
+        deliveries,
+        failures,
         enqueued_at,
         visible_at,
         leased,
         last_error,
+    }
+}
+
+/// What [`commit::Group`] starts its committer with, if it has none.
+fn batch_driver(
+    pool: &Arc<Pool>,
+    schema: &Arc<Schema>,
+    shards: u32,
+    window: Duration,
+    counts: Option<i64>,
+) -> impl Fn() -> Arc<dyn commit::BatchCommit> {
+    let (pool, schema) = (pool.clone(), schema.clone());
+    move || {
+        Arc::new(SpannerBatch {
+            pool: pool.clone(),
+            schema: schema.clone(),
+            shards,
+            window,
+            counts,
+        }) as Arc<dyn commit::BatchCommit>
+    }
+}
+
+impl SpannerTransaction {
+    fn driver(&self) -> impl Fn() -> Arc<dyn commit::BatchCommit> {
+        batch_driver(&self.pool, &self.schema, self.shards, self.window, self.counts)
     }
 }
 
@@ -2240,17 +2372,16 @@ impl Transaction for SpannerTransaction {
         // takes one for the whole batch.
         self.snapshot = None;
         let pending = std::mem::take(&mut self.pending);
-        let (pool, schema, shards, window, counts) = (self.pool.clone(), self.schema.clone(), self.shards, self.window, self.counts);
-        let driver = move || {
-            Arc::new(SpannerBatch {
-                pool: pool.clone(),
-                schema: schema.clone(),
-                shards,
-                window,
-                counts,
-            }) as Arc<dyn commit::BatchCommit>
-        };
-        self.group.commit(driver, pending).await
+        self.group.commit(self.driver(), pending).await
+    }
+
+    async fn commit_held(mut self: Box<Self>, hold: commit::Hold) -> StoreResult<()> {
+        self.snapshot = None;
+        let pending = std::mem::take(&mut self.pending);
+        match hold.commit(pending).await {
+            Ok(result) => result,
+            Err(pending) => self.group.commit(self.driver(), pending).await,
+        }
     }
 
     async fn rollback(self: Box<Self>) {}

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS onceq_messages (
     enqueued_at INTEGER NOT NULL,
     visible_at INTEGER NOT NULL,
     lease_token TEXT,
-    last_error TEXT
+    last_error TEXT,
+    failures INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS onceq_messages_visible ON onceq_messages (queue, visible_at);
 CREATE TABLE IF NOT EXISTS onceq_dead_letters (
@@ -56,7 +57,8 @@ CREATE TABLE IF NOT EXISTS onceq_dead_letters (
     enqueued_at INTEGER NOT NULL,
     failed_at INTEGER NOT NULL,
     reason TEXT NOT NULL,
-    handler_version TEXT
+    handler_version TEXT,
+    failures INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS onceq_dead_letters_queue ON onceq_dead_letters (queue, failed_at);
 CREATE TABLE IF NOT EXISTS onceq_dedup (
@@ -68,8 +70,43 @@ CREATE TABLE IF NOT EXISTS onceq_dedup (
 );
 CREATE INDEX IF NOT EXISTS onceq_dedup_expiry ON onceq_dedup (expires_at);
 CREATE TABLE IF NOT EXISTS onceq_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '1');
+INSERT OR IGNORE INTO onceq_meta (key, value) VALUES ('schema_version', '2');
 ";
+
+/// Databases made before failures were counted apart from deliveries
+/// (schema 1: `attempt` counted every lease, and `max_attempts` bounded
+/// it) get a `failures` column on open. A queued message starts with none
+/// (what failed before is not known); a dead letter keeps its old count as
+/// its failures, as it was reported then.
+///
+/// A database that has the columns is not written to: hosts opening one
+/// file together take no write lock for this.
+fn migrate_failures(conn: &mut Connection) -> rusqlite::Result<()> {
+    fn has(conn: &Connection, table: &str) -> rusqlite::Result<bool> {
+        conn.query_row(
+            &format!("SELECT count(*) FROM pragma_table_info('{table}') WHERE name = 'failures'"),
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .map(|n| n > 0)
+    }
+    if has(conn, "onceq_messages")? && has(conn, "onceq_dead_letters")? {
+        return Ok(());
+    }
+    // Under the write lock, checked again: another host may have done it.
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    if !has(&tx, "onceq_messages")? {
+        tx.execute_batch("ALTER TABLE onceq_messages ADD COLUMN failures INTEGER NOT NULL DEFAULT 0")?;
+    }
+    if !has(&tx, "onceq_dead_letters")? {
+        tx.execute_batch(
+            "ALTER TABLE onceq_dead_letters ADD COLUMN failures INTEGER NOT NULL DEFAULT 0;
+             UPDATE onceq_dead_letters SET failures = attempts;",
+        )?;
+    }
+    tx.execute_batch("INSERT OR REPLACE INTO onceq_meta (key, value) VALUES ('schema_version', '2')")?;
+    tx.commit()
+}
 
 /// The processed counts (`onceq stats`), also created on open for databases
 /// made before them.
@@ -512,7 +549,7 @@ impl SqliteStore {
         if !path.exists() {
             anyhow::bail!("database {} does not exist: run `onceq init` first", path.display());
         }
-        let conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut conn = Connection::open(path).with_context(|| format!("opening {}", path.display()))?;
         configure(&conn, options)?;
         let has_tables: bool = conn
             .query_row("SELECT count(*) FROM sqlite_schema WHERE name = 'onceq_messages'", [], |r| {
@@ -525,9 +562,11 @@ impl SqliteStore {
                 path.display()
             );
         }
-        // Databases made before processed counts get their table here.
+        // Databases made before processed counts get their table here, and
+        // those made before failures were counted apart, the column.
         conn.execute_batch(COUNTS_DDL)
             .with_context(|| format!("adding the processed counts to {}", path.display()))?;
+        migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
         Ok(SqliteStore {
             inner: Arc::new(Inner {
@@ -596,6 +635,10 @@ impl commit::BatchCommit for SqliteBatch {
         inner.commit_batch(&mut conn, batch)
     }
 
+    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+        self.commit_batch(collect()).await
+    }
+
     fn blocks(&self) -> bool {
         true
     }
@@ -614,56 +657,109 @@ fn write_on<T>(conn: &mut Connection, f: impl FnOnce(&Connection) -> StoreResult
     Ok(out)
 }
 
+/// A batch that failed as a whole, not message by message (the
+/// transaction ended under a savepoint, a savepoint could not be rolled
+/// back, the commit was refused): its messages are committed again alone.
+struct BatchLost(StoreError);
+
+/// Add the batch's acks to the processed counts, in its transaction.
+fn count_processed(tx: &Connection, batch: &[commit::Pending], results: &[StoreResult<()>]) -> StoreResult<()> {
+    for (queue, n) in commit::processed_by_queue(batch, results) {
+        tx.prepare_cached(&format!(
+            "INSERT INTO onceq_counts (queue, processed, last_at) VALUES (?1, ?2, {NOW})
+             ON CONFLICT (queue) DO UPDATE SET processed = processed + excluded.processed, last_at = excluded.last_at"
+        ))
+        .and_then(|mut st| st.execute(params![queue, n]))
+        .map_err(classify)?;
+    }
+    Ok(())
+}
+
 impl Inner {
+    /// One write transaction for the batch, a savepoint per message; if
+    /// the batch as a whole fails (see [`BatchLost`]), every message is
+    /// committed again alone, so each gets the verdict of its own effects.
     fn commit_batch(&self, conn: &mut Connection, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
-        let all = |e: StoreError| batch.iter().map(|_| Err(e.clone())).collect::<Vec<_>>();
+        match self.commit_together(conn, &batch) {
+            Ok(results) => results,
+            Err(BatchLost(why)) => {
+                tracing::debug!(
+                    messages = batch.len(),
+                    "batch commit failed as a whole ({why}); committing each message alone"
+                );
+                batch.iter().map(|p| self.commit_alone(conn, p)).collect()
+            }
+        }
+    }
+
+    fn commit_together(&self, conn: &mut Connection, batch: &[commit::Pending]) -> Result<Vec<StoreResult<()>>, BatchLost> {
         let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
             Ok(tx) => tx,
-            Err(e) => return all(classify(e)),
+            // Nothing started (the file is busy, say): every message gets
+            // the error, and the protocol re-runs it.
+            Err(e) => {
+                let e = classify(e);
+                return Ok(batch.iter().map(|_| Err(e.clone())).collect());
+            }
         };
         let window = self.options.dedup_window;
         let mut results = Vec::with_capacity(batch.len());
-        for p in &batch {
-            if let Err(e) = tx.execute_batch("SAVEPOINT onceq_message") {
-                return all(classify(e)); // dropping `tx` rolls back
-            }
+        for p in batch {
+            tx.execute_batch("SAVEPOINT onceq_message").map_err(|e| BatchLost(classify(e)))?;
             let mut ex = SqliteExec {
                 conn: &tx,
                 schema: &self.schema,
             };
             let r = commit::run_now(commit::apply(&mut ex, p, window));
+            // A statement can end the whole transaction, not only itself: a
+            // trigger's RAISE(ROLLBACK), a constraint declared ON CONFLICT
+            // ROLLBACK, some I/O errors. The messages before it are gone
+            // with it.
+            if tx.is_autocommit() {
+                return Err(BatchLost(
+                    r.err().unwrap_or_else(|| StoreError::Permanent("the transaction ended".into())),
+                ));
+            }
             let end = if r.is_ok() {
                 "RELEASE onceq_message"
             } else {
                 "ROLLBACK TO onceq_message; RELEASE onceq_message"
             };
-            if let Err(e) = tx.execute_batch(end) {
-                return all(classify(e));
-            }
+            tx.execute_batch(end).map_err(|e| BatchLost(classify(e)))?;
             results.push(r);
         }
-        for (queue, n) in commit::processed_by_queue(&batch, &results) {
-            let counted = tx
-                .prepare_cached(&format!(
-                    "INSERT INTO onceq_counts (queue, processed, last_at) VALUES (?1, ?2, {NOW})
-                     ON CONFLICT (queue) DO UPDATE SET processed = processed + excluded.processed, last_at = excluded.last_at"
-                ))
-                .and_then(|mut st| st.execute(params![queue, n]));
-            if let Err(e) = counted {
-                return all(classify(e)); // dropping `tx` rolls back
-            }
-        }
+        count_processed(&tx, batch, &results).map_err(BatchLost)?;
         match tx.commit() {
-            Ok(()) => results,
-            // A commit that fails for I/O reasons may or may not be durable.
-            Err(e) => {
-                let e = match classify(e) {
-                    StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
-                    other => other,
-                };
-                results.into_iter().map(|r| r.and(Err(e.clone()))).collect()
-            }
+            Ok(()) => Ok(results),
+            Err(e) => match classify(e) {
+                // A commit that fails for I/O reasons may or may not be
+                // durable: every message is re-run, and its ack decides.
+                StoreError::Permanent(m) => Ok(results
+                    .into_iter()
+                    .map(|r| r.and(Err(StoreError::UnknownOutcome(m.clone()))))
+                    .collect()),
+                // Refused at commit (a deferred foreign key, say): whose
+                // effects, only the messages alone can tell.
+                other => Err(BatchLost(other)),
+            },
         }
+    }
+
+    /// One message in a write transaction of its own: its result is the
+    /// verdict of its own effects.
+    fn commit_alone(&self, conn: &mut Connection, p: &commit::Pending) -> StoreResult<()> {
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
+        let mut ex = SqliteExec {
+            conn: &tx,
+            schema: &self.schema,
+        };
+        commit::run_now(commit::apply(&mut ex, p, self.options.dedup_window))?; // dropping `tx` rolls back
+        count_processed(&tx, std::slice::from_ref(p), &[Ok(())])?;
+        tx.commit().map_err(|e| match classify(e) {
+            // A commit that fails for I/O reasons may or may not be durable.
+            StoreError::Permanent(m) => StoreError::UnknownOutcome(m),
+            other => other,
+        })
     }
 
     /// [`Self::write`] for what may be lost on a power failure without
@@ -768,7 +864,7 @@ impl Store for SqliteStore {
                     .prepare_cached(&format!(
                         "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + ?2, attempt = attempt + 1
                          WHERE id IN (SELECT id FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT ?4)
-                         RETURNING id, payload, attributes, attempt, enqueued_at, visible_at"
+                         RETURNING id, payload, attributes, attempt, enqueued_at, visible_at, failures"
                     ))
                     .map_err(classify)?;
                 let rows = stmt
@@ -789,6 +885,7 @@ impl Store for SqliteStore {
                                 token: token.clone(),
                             },
                             lease_until: r.get(5)?,
+                            failures: r.get(6)?,
                         })
                     })
                     .map_err(classify)?;
@@ -797,6 +894,20 @@ impl Store for SqliteStore {
             .await?;
         leased.sort_by_key(|m| m.message.enqueued_at);
         Ok(leased)
+    }
+
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        self.message_lease(LeaseParams {
+            queue: queue.to_owned(),
+            limit: collect(),
+            lease,
+        })
+        .await
     }
 
     async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
@@ -827,12 +938,13 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn message_retry_later(&self, lease: &Lease, delay: Duration, reason: &str) -> StoreResult<()> {
+    async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()> {
+        let failures = if p.failed { "failures = failures + 1, " } else { "" };
         self.guarded_update(
             lease,
-            &format!("visible_at = {NOW} + ?3, lease_token = NULL, last_error = ?4"),
-            Some(SqlValue::Integer(micros(delay))),
-            Some(SqlValue::Text(reason.to_string())),
+            &format!("{failures}visible_at = {NOW} + ?3, lease_token = NULL, last_error = ?4"),
+            Some(SqlValue::Integer(micros(p.delay))),
+            Some(SqlValue::Text(p.reason)),
         )
         .await
     }
@@ -841,13 +953,13 @@ impl Store for SqliteStore {
         self.write(|c| {
             let n = c
                 .prepare_cached(&format!(
-                    "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version)
-                     SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, ?3, ?4 FROM onceq_messages
+                    "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures)
+                     SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, ?3, ?4, failures + ?5 FROM onceq_messages
                      WHERE id = ?1 AND lease_token = ?2
                      ON CONFLICT (id) DO UPDATE SET failed_at = excluded.failed_at, reason = excluded.reason,
-                        attempts = excluded.attempts, handler_version = excluded.handler_version"
+                        attempts = excluded.attempts, handler_version = excluded.handler_version, failures = excluded.failures"
                 ))
-                .and_then(|mut s| s.execute(params![lease.message_id, lease.token, p.reason, p.handler_version]))
+                .and_then(|mut s| s.execute(params![lease.message_id, lease.token, p.reason, p.handler_version, i64::from(p.failed)]))
                 .map_err(classify)?;
             if n != 1 {
                 return Err(StoreError::LeaseLost { message_id: lease.message_id.clone() });
@@ -858,6 +970,10 @@ impl Store for SqliteStore {
             Ok(())
         })
         .await
+    }
+
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
+        self.inner.group.hold(SqliteBatch::driver(&self.inner)).await.map(Some)
     }
 
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
@@ -935,7 +1051,7 @@ impl Store for SqliteStore {
         self.read(|c| {
             let mut stmt = c
                 .prepare_cached(&format!(
-                    "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version
+                    "SELECT {DEAD_COLUMNS}
                      FROM onceq_dead_letters WHERE {cond} ORDER BY failed_at DESC, id LIMIT ?2"
                 ))
                 .map_err(classify)?;
@@ -948,12 +1064,9 @@ impl Store for SqliteStore {
 
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
         self.read(|c| {
-            c.prepare_cached(
-                "SELECT id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version
-                 FROM onceq_dead_letters WHERE id = ?1",
-            )
-            .and_then(|mut s| s.query_row(params![id], dead_letter_from_row).optional())
-            .map_err(classify)
+            c.prepare_cached(&format!("SELECT {DEAD_COLUMNS} FROM onceq_dead_letters WHERE id = ?1"))
+                .and_then(|mut s| s.query_row(params![id], dead_letter_from_row).optional())
+                .map_err(classify)
         })
     }
 
@@ -961,8 +1074,8 @@ impl Store for SqliteStore {
         self.write(|c| {
             let n = c
                 .prepare_cached(&format!(
-                    "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at)
-                     SELECT id, queue, payload, attributes, 0, enqueued_at, {NOW} FROM onceq_dead_letters WHERE id = ?1"
+                    "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
+                     SELECT id, queue, payload, attributes, 0, enqueued_at, {NOW}, 0 FROM onceq_dead_letters WHERE id = ?1"
                 ))
                 .and_then(|mut s| s.execute(params![id]))
                 .map_err(classify)?;
@@ -1040,7 +1153,9 @@ impl Store for SqliteStore {
 }
 
 const QUEUED_COLUMNS: &str =
-    "id, queue, payload, attributes, attempt, enqueued_at, visible_at, lease_token IS NOT NULL AND visible_at > unixepoch('subsec') * 1000000, last_error";
+    "id, queue, payload, attributes, attempt, enqueued_at, visible_at, lease_token IS NOT NULL AND visible_at > unixepoch('subsec') * 1000000, last_error, failures";
+
+const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
 
 fn queued_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<QueuedMessage> {
     let payload: Vec<u8> = r.get(2)?;
@@ -1050,7 +1165,8 @@ fn queued_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<QueuedMessage> {
         payload_text: String::from_utf8_lossy(&payload).into_owned(),
         payload,
         attributes: attrs_from_json(&r.get::<_, String>(3)?),
-        attempt: r.get(4)?,
+        deliveries: r.get(4)?,
+        failures: r.get(9)?,
         enqueued_at: r.get(5)?,
         visible_at: r.get(6)?,
         leased: r.get(7)?,
@@ -1066,7 +1182,8 @@ fn dead_letter_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeadLetter> {
         payload_text: String::from_utf8_lossy(&payload).into_owned(),
         payload,
         attributes: attrs_from_json(&r.get::<_, String>(3)?),
-        attempts: r.get(4)?,
+        deliveries: r.get(4)?,
+        failures: r.get(9)?,
         enqueued_at: r.get(5)?,
         failed_at: r.get(6)?,
         reason: r.get(7)?,
@@ -1177,6 +1294,17 @@ impl Transaction for SqliteTransaction {
         let inner = self.inner.clone();
         drop(self);
         inner.group.commit(SqliteBatch::driver(&inner), pending).await
+    }
+
+    async fn commit_held(mut self: Box<Self>, hold: commit::Hold) -> StoreResult<()> {
+        self.end_snapshot();
+        let pending = std::mem::take(&mut self.pending);
+        let inner = self.inner.clone();
+        drop(self);
+        match hold.commit(pending).await {
+            Ok(result) => result,
+            Err(pending) => inner.group.commit(SqliteBatch::driver(&inner), pending).await,
+        }
     }
 
     async fn rollback(mut self: Box<Self>) {
