@@ -11,6 +11,12 @@
 //!   none for a declined one (a rolled-back attempt leaves no intent);
 //! - drained within a bound after the faults stop.
 //!
+//! The hosts run with the default `max_attempts` and `max_reruns`: a kill,
+//! an expired lease or a lost answer is not the message's failure, so no
+//! valid order may end in the dead-letter table. Each run prints one line:
+//! lost, doubled and valid orders dead-lettered (all must be 0), and the
+//! drain time.
+//!
 //! `make test` runs a short version; `make chaos` a long one
 //! (`ONCEQ_CHAOS_MESSAGES`, `ONCEQ_CHAOS_SECONDS`, `ONCEQ_CHAOS_HOSTS`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -140,6 +146,39 @@ fn run_with_faults(dir: &Path, hosts: usize, seconds: u64, bound: Duration, faul
     }
 }
 
+/// What the audit counts against the database: each must be 0.
+struct Verdict {
+    /// Valid orders neither applied nor dead-lettered (the queues drained).
+    lost: i64,
+    /// Money debited twice (balances plus charges short of what the
+    /// accounts held).
+    doubled: i64,
+    /// Valid orders in the dead-letter table.
+    valid_dead: i64,
+}
+
+impl Verdict {
+    fn new(n: usize, orders: i64, dead_valid: i64, balances: i64, charged_sum: i64) -> Verdict {
+        let valid = (0..n).filter(|&i| !is_invalid(i)).count() as i64;
+        Verdict {
+            lost: valid - orders - dead_valid,
+            doubled: ACCOUNTS as i64 * BALANCE - (balances + charged_sum),
+            valid_dead: dead_valid,
+        }
+    }
+
+    /// The report's line, then the assertions.
+    fn check(&self, store: &str, report: &Report) {
+        eprintln!(
+            "chaos ({store}) verdict: lost {}, doubled {}, valid dead-lettered {}; drained {:.1?} after the faults stopped",
+            self.lost, self.doubled, self.valid_dead, report.drain
+        );
+        assert_eq!(self.lost, 0, "no valid order lost");
+        assert_eq!(self.doubled, 0, "no debit applied twice");
+        assert_eq!(self.valid_dead, 0, "no valid order dead-lettered for the host's own trouble");
+    }
+}
+
 /// The audit's reading of the delivered charges: key -> deliveries. A line
 /// torn by a SIGKILL mid-write is skipped (its intent was not acked, so it
 /// is delivered again) and counted.
@@ -191,7 +230,7 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
         dir.path().join("onceq.toml"),
         payments_hosts_config(
             &format!("store = \"sqlite://{}\"", db.display()),
-            "lease = \"2s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"\nmax_attempts = 50",
+            "lease = \"2s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"",
         ),
     )
     .unwrap();
@@ -215,6 +254,14 @@ async fn sqlite_hosts_killed_at_random_process_each_message_exactly_once() {
     let c = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
     let count = |sql: &str| -> i64 { c.query_row(sql, [], |r| r.get(0)).unwrap() };
     assert_eq!(count("SELECT COUNT(*) FROM onceq_messages"), 0, "every queue drained (outbox too)");
+    Verdict::new(
+        n,
+        count("SELECT COUNT(*) FROM orders"),
+        count("SELECT COUNT(*) FROM onceq_dead_letters WHERE reason NOT LIKE '%amount must be positive%'"),
+        count("SELECT SUM(balance) FROM accounts"),
+        count("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'"),
+    )
+    .check("SQLite", &report);
     let invalid = (0..n).filter(|&i| is_invalid(i)).count() as i64;
     assert_eq!(
         count("SELECT COUNT(*) FROM orders"),
@@ -284,7 +331,7 @@ async fn spanner_hosts_behind_fault_proxies_and_killed_process_each_message_exac
         dir.path().join("onceq.toml"),
         payments_hosts_config(
             &format!("store = \"spanner://{database}\"\n\n[spanner]\nshards = 4\nclients = 2\ncall_timeout = \"2s\""),
-            "lease = \"3s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"\nmax_attempts = 50",
+            "lease = \"3s\"\nbackoff_initial = \"20ms\"\nbackoff_max = \"500ms\"",
         ),
     )
     .unwrap();
@@ -322,6 +369,15 @@ async fn spanner_hosts_behind_fault_proxies_and_killed_process_each_message_exac
         0,
         "every queue drained (outbox too)"
     );
+    Verdict::new(
+        n,
+        db.int("SELECT COUNT(*) FROM orders").await,
+        db.int("SELECT COUNT(*) FROM onceq_dead_letters WHERE reason NOT LIKE '%amount must be positive%'")
+            .await,
+        db.int("SELECT SUM(balance) FROM accounts").await,
+        db.int("SELECT COALESCE(SUM(amount), 0) FROM orders WHERE status = 'charged'").await,
+    )
+    .check("Spanner emulator", &report);
     let invalid = (0..n).filter(|&i| is_invalid(i)).count() as i64;
     assert_eq!(
         db.int("SELECT COUNT(*) FROM orders").await,

@@ -10,6 +10,7 @@
 
 mod common;
 
+mod accounting;
 mod chaos;
 mod cli;
 mod deploy;

@@ -248,6 +248,8 @@ async fn refused_intents_are_dead_lettered_with_the_response_and_can_be_replayed
     assert_eq!((d.state, d.intent.idempotency_key.as_str()), ("dead", "charge-o-2"));
     let reason = d.reason.as_deref().unwrap();
     assert!(reason.contains("HTTP 422") && reason.contains("refused: charge-o-2"), "{reason}");
+    // The receiver refused it, not the handler.
+    assert!(reason.starts_with("delivery refused: POST "), "{reason}");
     let shown = onceq::outbox::inspect::get(db.store.as_ref(), &d.intent.id).await.unwrap();
     assert_eq!(shown.payload, d.payload);
     let e = onceq::outbox::inspect::get(db.store.as_ref(), "nope")

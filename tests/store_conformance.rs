@@ -113,3 +113,52 @@ fn batched() -> StoreOptions {
         ..Default::default()
     }
 }
+
+/// A database made before failures were counted apart from deliveries
+/// (schema 1: `attempt` counted every lease) is upgraded when a host opens
+/// it: queued messages start with no failure, dead letters keep their old
+/// count as their failures, and a second open writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_database_from_before_failure_counts_is_upgraded_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch(
+            "PRAGMA journal_mode = WAL;
+             CREATE TABLE onceq_messages (id TEXT PRIMARY KEY, queue TEXT NOT NULL, payload BLOB NOT NULL,
+                 attributes TEXT NOT NULL DEFAULT '[]', attempt INTEGER NOT NULL DEFAULT 0, enqueued_at INTEGER NOT NULL,
+                 visible_at INTEGER NOT NULL, lease_token TEXT, last_error TEXT);
+             CREATE INDEX onceq_messages_visible ON onceq_messages (queue, visible_at);
+             CREATE TABLE onceq_dead_letters (id TEXT PRIMARY KEY, queue TEXT NOT NULL, payload BLOB NOT NULL,
+                 attributes TEXT NOT NULL, attempts INTEGER NOT NULL, enqueued_at INTEGER NOT NULL, failed_at INTEGER NOT NULL,
+                 reason TEXT NOT NULL, handler_version TEXT);
+             CREATE TABLE onceq_dedup (queue TEXT NOT NULL, dedup_key TEXT NOT NULL, message_id TEXT NOT NULL,
+                 expires_at INTEGER NOT NULL, PRIMARY KEY (queue, dedup_key));
+             CREATE TABLE onceq_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO onceq_meta (key, value) VALUES ('schema_version', '1');
+             CREATE TABLE t (id TEXT PRIMARY KEY);
+             INSERT INTO onceq_messages (id, queue, payload, attempt, enqueued_at, visible_at) VALUES ('m', 'q', x'00', 3, 1, 1);
+             INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason)
+                 VALUES ('d', 'q', x'00', '[]', 4, 1, 2, 'gave up after 4 attempts');",
+        )
+        .unwrap();
+    }
+    let store = onceq::store::sqlite::SqliteStore::open(&path, &StoreOptions::default()).unwrap();
+    let m = store.message_get("m").await.unwrap().unwrap();
+    assert_eq!((m.deliveries, m.failures), (3, 0));
+    let d = store.dead_letter_get("d").await.unwrap().unwrap();
+    assert_eq!((d.deliveries, d.failures), (4, 4));
+    drop(store);
+    let version = || -> String {
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .query_row("SELECT value FROM onceq_meta WHERE key = 'schema_version'", [], |r| r.get(0))
+            .unwrap()
+    };
+    assert_eq!(version(), "2");
+    // Opened again: nothing to do, and the counts are as they were.
+    let store = onceq::store::sqlite::SqliteStore::open(&path, &StoreOptions::default()).unwrap();
+    use onceq::store::Store;
+    assert_eq!(store.dead_letter_get("d").await.unwrap().unwrap().failures, 4);
+}

@@ -4,7 +4,7 @@
 //! | method | path | what |
 //! |---|---|---|
 //! | GET | `/healthz` | 200 while the process runs |
-//! | GET | `/readyz` | 200 once serving and the store answers; 503 otherwise |
+//! | GET | `/readyz` | 200 once serving, the store answers and no queue is held back by the host's own trouble; 503 saying why otherwise |
 //! | GET | `/metrics` | Prometheus (OpenMetrics text) |
 //! | GET | `/v1/stats` | queue and outbox counts, as `onceq stats --json` |
 //! | GET | `/v1/queues/{queue}/versions` | deployments, newest first, the active one marked |
@@ -19,6 +19,12 @@
 //! handlers), and the body is then read up to `admin.max_upload` (413
 //! past it), so an unauthenticated client cannot make the host buffer
 //! anything.
+//!
+//! The server is bounded whatever its clients do: at most
+//! `admin.max_connections` connections are served at once (more wait in
+//! the kernel's backlog, costing the host no descriptor), and a connection
+//! that has not sent a request's headers within `admin.header_timeout`
+//! (idle between requests, or sending them slowly) is closed.
 
 use crate::deploy::{DeployFailure, Deployer};
 use crate::outbox;
@@ -42,22 +48,69 @@ use std::time::Duration;
 /// Handler latency histogram buckets, seconds.
 const LATENCY_BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
-/// What the admin API serves.
+/// What the admin API serves. It starts before the host serves (so
+/// `/readyz` can say what the host waits for) and is given the store, the
+/// runners and the deployer once they exist ([`Admin::serve_with`]).
 pub struct Admin {
-    pub store: Arc<dyn Store>,
-    pub runners: Vec<Arc<QueueRunner>>,
-    pub deployer: Arc<Deployer>,
     pub token: Option<String>,
     /// Largest request body accepted (`admin.max_upload`), read only after
     /// the token was checked.
     pub max_upload: usize,
+    serving: std::sync::OnceLock<Serving>,
+    /// What the host is doing before it serves (`/readyz` says it).
+    starting: std::sync::Mutex<String>,
     /// Set once the queues are being served.
-    pub ready: AtomicBool,
+    ready: AtomicBool,
+}
+
+/// The host being served.
+pub struct Serving {
+    pub store: Arc<dyn Store>,
+    pub runners: Vec<Arc<QueueRunner>>,
+    pub deployer: Arc<Deployer>,
 }
 
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admin").field("queues", &self.runners.len()).finish()
+        f.debug_struct("Admin")
+            .field("queues", &self.serving.get().map_or(0, |s| s.runners.len()))
+            .finish()
+    }
+}
+
+impl Admin {
+    pub fn new(token: Option<String>, max_upload: usize) -> Admin {
+        Admin {
+            token,
+            max_upload,
+            serving: std::sync::OnceLock::new(),
+            starting: std::sync::Mutex::new("starting".into()),
+            ready: AtomicBool::new(false),
+        }
+    }
+
+    /// Say what the host is waiting for (shown by `/readyz` until it serves).
+    pub fn starting(&self, what: impl Into<String>) {
+        if let Ok(mut s) = self.starting.lock() {
+            *s = what.into();
+        }
+    }
+
+    /// The host is assembled: its endpoints answer from now on.
+    pub fn serve_with(&self, serving: Serving) {
+        let _ = self.serving.set(serving);
+    }
+
+    /// Its queues are being worked: `/readyz` may say ready.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Relaxed);
+    }
+
+    fn serving(&self) -> Result<&Serving, Response> {
+        self.serving.get().ok_or_else(|| {
+            let what = self.starting.lock().map(|s| s.clone()).unwrap_or_default();
+            error(StatusCode::SERVICE_UNAVAILABLE, format!("not serving yet: {what}"))
+        })
     }
 }
 
@@ -103,15 +156,40 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// How long a queue may go on deferring messages for the host's own
+/// trouble, with no commit since, before `/readyz` says so.
+pub const HELD_BACK_AFTER: Duration = Duration::from_secs(30);
+
 async fn readyz(State(admin): State<Arc<Admin>>) -> Response {
-    if !admin.ready.load(Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response();
+    let unready = |text: String| (StatusCode::SERVICE_UNAVAILABLE, format!("{text}\n")).into_response();
+    let serving = match admin.serving() {
+        Ok(s) if admin.ready.load(Relaxed) => s,
+        _ => {
+            return unready(format!(
+                "starting: {}",
+                admin.starting.lock().map(|s| s.clone()).unwrap_or_default()
+            ))
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(2), serving.store.stats()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return unready(format!("store error: {e}")),
+        Err(_) => return unready("store did not answer within 2s".into()),
     }
-    match tokio::time::timeout(Duration::from_secs(2), admin.store.stats()).await {
-        Ok(Ok(_)) => (StatusCode::OK, "ready\n").into_response(),
-        Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, format!("store error: {e}\n")).into_response(),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "store did not answer within 2s\n").into_response(),
+    // A queue that only defers for the host's trouble makes no progress.
+    let held: Vec<String> = serving
+        .runners
+        .iter()
+        .filter_map(|r| {
+            r.metrics
+                .held_back(HELD_BACK_AFTER)
+                .map(|(secs, why)| format!("queue {}: deferring messages for {secs:.0}s: {why}", r.spec.name))
+        })
+        .collect();
+    if !held.is_empty() {
+        return unready(held.join("\n"));
     }
+    (StatusCode::OK, "ready\n").into_response()
 }
 
 async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
@@ -129,17 +207,25 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
 }
 
 async fn stats(State(admin): State<Arc<Admin>>) -> Response {
-    match admin.store.stats().await {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match serving.store.stats().await {
         Ok(s) => {
             let (queues, outbox) = outbox::inspect::split_stats(&s);
-            Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": admin.deployer.active() })).into_response()
+            Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": serving.deployer.active() })).into_response()
         }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
 
 async fn versions(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
-    match admin.deployer.versions(&queue).await {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match serving.deployer.versions(&queue).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => deploy_error(e),
     }
@@ -162,14 +248,22 @@ async fn deploy(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, Quer
     if body.is_empty() {
         return error(StatusCode::BAD_REQUEST, "the request body must be the component's bytes");
     }
-    match admin.deployer.deploy(&queue, body.to_vec(), q.label, "api").await {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match serving.deployer.deploy(&queue, body.to_vec(), q.label, "api").await {
         Ok(d) => Json(d).into_response(),
         Err(e) => deploy_error(e),
     }
 }
 
 async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
-    match admin.deployer.rollback(&queue).await {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match serving.deployer.rollback(&queue).await {
         Ok(d) => Json(d).into_response(),
         Err(e) => deploy_error(e),
     }
@@ -192,14 +286,68 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .with_state(admin)
 }
 
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+pub use crate::config::ServeLimits;
+
 /// Serve until `stop` turns true, then finish the requests under way.
-pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener, mut stop: tokio::sync::watch::Receiver<bool>) {
-    let stopping = async move {
-        let _ = stop.wait_for(|s| *s).await;
-    };
-    if let Err(e) = axum::serve(listener, router(admin)).with_graceful_shutdown(stopping).await {
-        tracing::error!("admin API stopped: {e}");
+///
+/// hyper serves each connection (HTTP/1.1, its header-read timeout on a
+/// tokio timer); a semaphore bounds how many are open, so idle clients
+/// cannot take the host's descriptors (measured before: 1,100 idle
+/// connections with `RLIMIT_NOFILE` 1024 left the host unable to make an
+/// instance for any message).
+pub async fn serve(
+    admin: Arc<Admin>,
+    listener: tokio::net::TcpListener,
+    limits: ServeLimits,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let router = router(admin);
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    let mut accept_errors = 0u64;
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            () = stopped(&mut stop) => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, say: say so (once in a while),
+                    // wait, and try again; the connection stays queued.
+                    accept_errors += 1;
+                    if accept_errors.is_power_of_two() {
+                        tracing::warn!(errors = accept_errors, "admin API: accepting a connection failed: {e}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = stopped(&mut stop) => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("admin API connection: {e}");
+            }
+            drop(slot);
+        });
     }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// Reads the runners' counters at each scrape (no second set of books).
@@ -254,7 +402,10 @@ fn histograms(
 
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
-        let runners = &self.0.runners;
+        let Some(serving) = self.0.serving.get() else {
+            return Ok(());
+        };
+        let runners = &serving.runners;
         let (queues, outboxes): (Vec<_>, Vec<_>) = runners.iter().partition(|r| outbox::connector_of(&r.spec.name).is_none());
         outcomes(&mut e, &queues)?;
         health(&mut e, runners, &queues)?;
@@ -266,7 +417,7 @@ impl prometheus_client::collector::Collector for Collector {
                 None,
                 MetricType::Gauge,
             )?;
-            for (queue, version) in self.0.deployer.active() {
+            for (queue, version) in serving.deployer.active() {
                 let labels: Labels = vec![("queue", queue), ("version", version)];
                 ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
             }

@@ -106,6 +106,11 @@ pub async fn shutdown_signal() {
 /// `shutdown` resolves (the CLI passes [`shutdown_signal`]; tests and
 /// embedders their own) or, with `until_empty`, until no work is left.
 ///
+/// The admin API starts first: while the store cannot be reached (a
+/// network fault at start-up), the host keeps trying with backoff, says
+/// why at WARN and in `/readyz`, and can be stopped; only an error that
+/// trying again cannot mend (no such database, a bad schema) ends it.
+///
 /// On shutdown, in-flight messages finish (leased, unstarted ones are
 /// released), then the admin server, the watcher and the purge loop stop
 /// and are awaited; all within `shutdown_grace`, past which the host
@@ -115,38 +120,21 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     until_empty: bool,
 ) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
-    let store = open_store(cfg).await?;
-    let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
-    let (deployer, mut runners) = crate::deploy::Deployer::open(cfg, &store, runtime)?;
-    runners.extend(build_outbox_runners(cfg, &store)?);
-    if runners.is_empty() {
-        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
-    }
     let mut background = tokio::task::JoinSet::new();
     // Background tasks (admin API, watcher, purge) stop when this turns true.
     let (stop, stop_rx) = watch::channel(false);
-    let admin = Arc::new(crate::admin::Admin {
-        store: store.clone(),
-        runners: runners.clone(),
-        deployer: deployer.clone(),
-        token: cfg.admin.token.clone(),
-        max_upload: cfg.admin.max_upload,
-        ready: std::sync::atomic::AtomicBool::new(false),
-    });
+    let admin = Arc::new(crate::admin::Admin::new(cfg.admin.token.clone(), cfg.admin.max_upload));
     let addr_file = cfg.state_dir.join("admin.addr");
     if let Some(listen) = &cfg.admin.listen {
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| {
             format!("admin API: cannot listen on {listen} (another host on this machine? set [admin] listen to another address, \"127.0.0.1:0\", or \"off\")")
         })?;
         let addr = listener.local_addr()?;
+        std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
         tracing::info!(%addr, token = cfg.admin.token.is_some(), "admin API listening");
-        background.spawn(crate::admin::serve(admin.clone(), listener, stop_rx.clone()));
+        background.spawn(crate::admin::serve(admin.clone(), listener, cfg.admin.limits, stop_rx.clone()));
     }
-    if let Some((dir, every)) = &cfg.watch {
-        background.spawn(deployer.clone().watch(dir.clone(), *every, stop_rx.clone()));
-    }
-    background.spawn(purge_loop(store.clone(), stop_rx.clone()));
     let (tx, _rx) = watch::channel(false);
     let tx = Arc::new(tx);
     let signal_tx = tx.clone();
@@ -156,8 +144,94 @@ pub async fn run(
         tracing::info!("shutdown requested: finishing in-flight messages, releasing the rest");
         let _ = signal_tx.send(true);
     });
+    let served = match open_store_patiently(cfg, &admin, tx.subscribe()).await {
+        Ok(Some(store)) => serve(cfg, store, &admin, &mut background, &stop_rx, tx, until_empty).await,
+        Ok(None) => Ok(Vec::new()),
+        Err(e) => Err(e),
+    };
+    requested.abort();
+    // Drain the background tasks: the admin server finishes its requests,
+    // the watcher and the purge loop their round.
+    let _ = stop.send(true);
+    let drained = tokio::time::timeout(cfg.shutdown_grace, async { while background.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("background tasks did not stop within the shutdown grace; aborting them");
+        background.abort_all();
+    }
+    if cfg.admin.listen.is_some() {
+        let _ = std::fs::remove_file(&addr_file);
+    }
+    served
+}
+
+/// Open the configured store, trying again with backoff (up to 30 s
+/// apart) while the error is transient, until `stop` turns true (`None`).
+async fn open_store_patiently(
+    cfg: &Config,
+    admin: &crate::admin::Admin,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<Option<Arc<dyn Store>>> {
+    let mut pause = std::time::Duration::from_millis(500);
+    admin.starting(format!("opening the store {}", cfg.store));
+    loop {
+        match open_store(cfg).await {
+            Ok(store) => return Ok(Some(store)),
+            Err(e) if is_transient(&e) => {
+                let why = format!("{e:#}");
+                tracing::warn!(
+                    "cannot open the store {} (trying again in {}): {why}",
+                    cfg.store,
+                    crate::names::duration(pause)
+                );
+                admin.starting(format!("waiting for the store {}: {why}", cfg.store));
+                tokio::select! {
+                    () = tokio::time::sleep(crate::protocol::jittered(pause)) => {}
+                    _ = stop.wait_for(|s| *s) => return Ok(None),
+                }
+                pause = (pause * 2).min(std::time::Duration::from_secs(30));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// An error that trying again may mend: the store unavailable, a call that
+/// missed its deadline.
+fn is_transient(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<store::StoreError>()
+            .is_some_and(|s| s.is_retryable() || s.is_unknown_outcome())
+    })
+}
+
+/// The host on an open store, until shutdown (see [`run`]).
+async fn serve(
+    cfg: &Config,
+    store: Arc<dyn Store>,
+    admin: &Arc<crate::admin::Admin>,
+    background: &mut tokio::task::JoinSet<()>,
+    stop_rx: &watch::Receiver<bool>,
+    tx: Arc<watch::Sender<bool>>,
+    until_empty: bool,
+) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
+    admin.starting("loading the handlers");
+    let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
+    let (deployer, mut runners) = crate::deploy::Deployer::open(cfg, &store, runtime)?;
+    runners.extend(build_outbox_runners(cfg, &store)?);
+    if runners.is_empty() {
+        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
+    }
+    admin.serve_with(crate::admin::Serving {
+        store: store.clone(),
+        runners: runners.clone(),
+        deployer: deployer.clone(),
+    });
+    if let Some((dir, every)) = &cfg.watch {
+        background.spawn(deployer.clone().watch(dir.clone(), *every, stop_rx.clone()));
+    }
+    background.spawn(purge_loop(store.clone(), stop_rx.clone()));
     tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
-    admin.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    admin.set_ready();
     let mut rx = tx.subscribe();
     let serving = protocol::run_queues(store, runners.clone(), tx, until_empty);
     // Workers finish their in-flight message after a shutdown request; the
@@ -179,18 +253,6 @@ pub async fn run(
                 crate::names::duration(grace)
             );
         }
-    }
-    requested.abort();
-    // Drain the background tasks: the admin server finishes its requests,
-    // the watcher and the purge loop their round.
-    let _ = stop.send(true);
-    let drained = tokio::time::timeout(grace, async { while background.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!("background tasks did not stop within the shutdown grace; aborting them");
-        background.abort_all();
-    }
-    if cfg.admin.listen.is_some() {
-        let _ = std::fs::remove_file(&addr_file);
     }
     Ok(runners)
 }

@@ -58,6 +58,8 @@ struct RawAdmin {
     max_upload: Option<String>,
     token: Option<String>,
     token_env: Option<String>,
+    max_connections: Option<usize>,
+    header_timeout: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -279,6 +281,28 @@ pub struct AdminConfig {
     /// Largest request body (a component upload) accepted, after the token
     /// was checked.
     pub max_upload: usize,
+    /// Connections served at once, and the header-read timeout.
+    pub limits: ServeLimits,
+}
+
+/// Bounds on the admin server's connections (`[admin]`).
+#[derive(Debug, Clone, Copy)]
+pub struct ServeLimits {
+    /// Connections served at once (`admin.max_connections`); more wait in
+    /// the listen backlog.
+    pub max_connections: usize,
+    /// A connection must send a request's headers within this, idle or
+    /// not (`admin.header_timeout`), or it is closed.
+    pub header_timeout: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            max_connections: 128,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 /// Default admin API address: loopback only.
@@ -638,7 +662,26 @@ impl RawAdmin {
                 .ok()
                 .filter(|t| !t.is_empty()),
         };
-        Ok(AdminConfig { listen, token, max_upload })
+        let d = ServeLimits::default();
+        let limits = ServeLimits {
+            max_connections: self.max_connections.unwrap_or(d.max_connections),
+            header_timeout: match &self.header_timeout {
+                Some(t) => parse_duration("admin.header_timeout", t)?,
+                None => d.header_timeout,
+            },
+        };
+        if limits.max_connections == 0 {
+            bail!("admin.max_connections must be at least 1");
+        }
+        if limits.header_timeout.is_zero() {
+            bail!("admin.header_timeout must be more than zero");
+        }
+        Ok(AdminConfig {
+            listen,
+            token,
+            max_upload,
+            limits,
+        })
     }
 }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod conformance;
+pub mod grpc_proxy;
 pub mod host;
 pub mod http;
 pub mod proxy;

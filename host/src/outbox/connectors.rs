@@ -218,10 +218,7 @@ impl Connector for Webhook {
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
-        let body = match resp.bytes().await {
-            Ok(b) => String::from_utf8_lossy(&b[..b.len().min(BODY_EXCERPT)]).into_owned(),
-            Err(_) => String::new(),
-        };
+        let body = excerpt(resp).await;
         let what = format!(
             "POST {} answered HTTP {status}{}{}",
             self.url,
@@ -237,6 +234,21 @@ impl Connector for Webhook {
             Delivery::Refused(what)
         }
     }
+}
+
+/// The start of a refusing response's body, at most [`BODY_EXCERPT`]
+/// bytes, read chunk by chunk: the rest is never read (the connection is
+/// dropped with the response), so a receiver answering with an endless
+/// body costs the host no more than this.
+async fn excerpt(mut resp: reqwest::Response) -> String {
+    let mut kept: Vec<u8> = Vec::new();
+    while kept.len() < BODY_EXCERPT {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(BODY_EXCERPT - kept.len())]),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&kept).into_owned()
 }
 
 /// An error with its causes ("error sending request: connection closed").

@@ -73,8 +73,9 @@ impl QueueRunner {
                 m.retried.fetch_add(1, Ordering::Relaxed);
                 m.record_version(&version, |c| c.retried += 1);
             }
-            Outcome::Deferred(_) => {
+            Outcome::Deferred(reason) => {
                 m.deferred.fetch_add(1, Ordering::Relaxed);
+                m.deferred_now(reason);
             }
             Outcome::DeadLettered(reason) => {
                 m.dead_lettered.fetch_add(1, Ordering::Relaxed);
@@ -420,6 +421,35 @@ mod tests {
                 result: Err(HandlerFailure::Crash("boom".into())),
             }
         }))
+    }
+
+    /// A failure record whose write landed but whose answer was lost: the
+    /// retry that follows finds the lease gone, and the outcome is the
+    /// record's (a retry, a dead letter), not "already committed".
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_record_that_landed_unanswered_is_reported_as_what_it_was() {
+        for max_attempts in [5, 1] {
+            let (_dir, base) = store();
+            let plan = FaultPlan {
+                records_landed_unknown: 1,
+                ..FaultPlan::default()
+            };
+            let (faulty, counts) = FaultyStore::new(base.clone(), plan);
+            let store: Arc<dyn Store> = Arc::new(faulty);
+            let lease = Duration::from_secs(10);
+            let mut r = runner(&store, failing(), lease);
+            Arc::get_mut(&mut r).unwrap().spec.policy.max_attempts = max_attempts;
+            let batch = leased(&store, 1, lease).await;
+            let outcome = r.process(&batch[0]).await;
+            assert_eq!(counts.records_landed.load(Relaxed), 1);
+            match (max_attempts, &outcome) {
+                (5, Outcome::RetryLater(reason)) | (1, Outcome::DeadLettered(reason)) => assert!(reason.contains("boom"), "{reason}"),
+                _ => panic!("max_attempts {max_attempts}: {outcome:?}"),
+            }
+            assert_eq!(r.metrics.already_committed.load(Relaxed), 0);
+            let q = &base.stats().await.unwrap().queues[0];
+            assert_eq!((q.delayed + q.dead, q.processed), (1, 0), "the record, once; nothing committed");
+        }
     }
 
     #[tokio::test(start_paused = true)]

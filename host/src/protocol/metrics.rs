@@ -53,6 +53,9 @@ pub struct Metrics {
     /// When this queue last committed a message (Unix microseconds; 0:
     /// never since start).
     pub last_commit_us: AtomicI64,
+    /// Deferring for the host's trouble since, last deferred at, and why;
+    /// cleared by a commit.
+    deferring: Mutex<Option<(std::time::Instant, std::time::Instant, String)>>,
 }
 
 type Hist = Mutex<Option<hdrhistogram::Histogram<u64>>>;
@@ -114,7 +117,33 @@ impl Metrics {
         self.store_errors.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
+    /// A message was deferred for the host's trouble.
+    pub(super) fn deferred_now(&self, why: &str) {
+        if let Ok(mut d) = self.deferring.lock() {
+            let now = std::time::Instant::now();
+            match d.as_mut() {
+                Some((_, last, reason)) => {
+                    *last = now;
+                    why.clone_into(reason);
+                }
+                None => *d = Some((now, now, why.to_string())),
+            }
+        }
+    }
+
+    /// `Some((seconds, why))` when this queue has been deferring messages
+    /// for the host's trouble for at least `after`, the last time within
+    /// `after`, with no commit since: it makes no progress.
+    pub fn held_back(&self, after: Duration) -> Option<(f64, String)> {
+        let d = self.deferring.lock().ok()?;
+        let (since, last, why) = d.as_ref()?;
+        (since.elapsed() >= after && last.elapsed() < after).then(|| (since.elapsed().as_secs_f64(), why.clone()))
+    }
+
     pub(super) fn committed_now(&self) {
+        if let Ok(mut d) = self.deferring.lock() {
+            *d = None;
+        }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));

@@ -42,6 +42,9 @@ pub struct FaultPlan {
     pub commit_delay: Option<Duration>,
     /// Every handler read fails with this error.
     pub read_error: Option<StoreError>,
+    /// This many failure records (retry later, dead letter) land, then
+    /// report an unknown outcome.
+    pub records_landed_unknown: u64,
     /// RNG seed, so a failing run can be replayed.
     pub seed: u64,
 }
@@ -55,6 +58,8 @@ pub struct FaultCounts {
     pub renewals: AtomicU64,
     /// Lease calls passed through (tests count an idle queue's polls).
     pub leases: AtomicU64,
+    /// Failure records that landed and reported an unknown outcome.
+    pub records_landed: AtomicU64,
 }
 
 impl FaultCounts {
@@ -77,6 +82,17 @@ enum Fault {
 }
 
 impl Injector {
+    /// After a failure record landed: an unknown outcome, while
+    /// `records_landed_unknown` lasts.
+    fn record_landed(&self) -> StoreResult<()> {
+        let n = self.counts.records_landed.fetch_add(1, Ordering::Relaxed);
+        if n < self.plan.records_landed_unknown {
+            return Err(StoreError::UnknownOutcome("injected: the record landed, its answer lost".into()));
+        }
+        self.counts.records_landed.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Commit `tx` (held, if `hold`), with the faults drawn.
     async fn commit(&self, tx: Box<dyn Transaction>, hold: Option<commit::Hold>) -> StoreResult<()> {
         hang(self.plan.commit_delay).await;
@@ -189,10 +205,12 @@ impl Store for FaultyStore {
         self.inner.message_release(lease).await
     }
     async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()> {
-        self.inner.message_retry_later(lease, p).await
+        self.inner.message_retry_later(lease, p).await?;
+        self.injector.record_landed()
     }
     async fn message_dead_letter(&self, lease: &Lease, params: DeadLetterParams) -> StoreResult<()> {
-        self.inner.message_dead_letter(lease, params).await
+        self.inner.message_dead_letter(lease, params).await?;
+        self.injector.record_landed()
     }
     async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
         self.inner.commit_hold().await
