@@ -233,7 +233,7 @@ async fn serve(
     tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
     admin.set_ready();
     let mut rx = tx.subscribe();
-    let serving = protocol::run_queues(store, runners.clone(), tx, until_empty);
+    let serving = protocol::run_queues(store.clone(), runners.clone(), tx, until_empty);
     // Workers finish their in-flight message after a shutdown request; the
     // handler deadline bounds a call, but a store that stops answering
     // would not: past the grace the host exits anyway, and the leases of
@@ -253,6 +253,10 @@ async fn serve(
                 crate::names::duration(grace)
             );
         }
+    }
+    // What the committer holds is committed before the host goes.
+    if tokio::time::timeout(grace, store.close()).await.is_err() {
+        tracing::warn!("the store's committer did not finish within the shutdown grace");
     }
     Ok(runners)
 }

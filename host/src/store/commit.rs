@@ -76,6 +76,122 @@ impl Pending {
     pub fn ack(&mut self, lease: &Lease) {
         self.ack = Some(lease.clone());
     }
+
+    /// Everything [`apply`] reads from the store to decide this pending:
+    /// its recorded reads, run again; its ack's lease; the dedup keys its
+    /// sends claim and its holds keep. A store that reads ahead of the
+    /// decisions (Spanner, in a few calls for a whole batch) reads exactly
+    /// this, so the two cannot drift: a step added to `apply` that reads
+    /// something else fails `needs_cover_every_read_of_apply`.
+    pub fn needs(&self) -> Needs<'_> {
+        let claims = self
+            .sends
+            .iter()
+            .filter_map(|s| s.dedup_key.as_deref().map(|k| (s.queue.as_str(), k)));
+        let holds = self.holds.iter().map(|(q, k, _)| (q.as_str(), k.as_str()));
+        Needs {
+            reads: &self.reads,
+            ack: self.ack.as_ref(),
+            dedup_keys: claims.chain(holds).collect(),
+        }
+    }
+}
+
+/// What [`apply`] reads to decide one pending ([`Pending::needs`]).
+#[derive(Debug)]
+pub struct Needs<'p> {
+    /// The handler's reads, each run again.
+    pub reads: &'p [ReadRecord],
+    /// The lease whose token the ack checks.
+    pub ack: Option<&'p Lease>,
+    /// `(queue, key)` of every dedup key claimed or held.
+    pub dedup_keys: Vec<(&'p str, &'p str)>,
+}
+
+/// Where a message transaction's reads are served from: a consistent
+/// snapshot of the store, opened on first use (SQLite: a reader
+/// connection in a read transaction; Spanner: a read-only transaction).
+#[async_trait]
+pub trait Snapshot: Send {
+    /// One row by primary key.
+    async fn get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>>;
+    /// Up to `limit` rows whose key starts with `prefix`, in key order.
+    async fn scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>>;
+}
+
+/// The message transaction of every store with a group committer: reads
+/// served by a [`Snapshot`] and recorded, effects and the ack buffered in
+/// a [`Pending`], the whole committed through the store's [`Group`]. The
+/// snapshot is closed (dropped) before the commit waits.
+pub struct Buffered<S: Snapshot> {
+    snapshot: Option<S>,
+    pending: Pending,
+    group: Arc<Group>,
+}
+
+impl<S: Snapshot> Buffered<S> {
+    pub fn new(snapshot: S, group: Arc<Group>) -> Buffered<S> {
+        Buffered {
+            snapshot: Some(snapshot),
+            pending: Pending::default(),
+            group,
+        }
+    }
+
+    fn snapshot(&mut self) -> StoreResult<&mut S> {
+        self.snapshot
+            .as_mut()
+            .ok_or_else(|| StoreError::Invariant("a read after the transaction ended".into()))
+    }
+}
+
+#[async_trait]
+impl<S: Snapshot + 'static> Transaction for Buffered<S> {
+    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        let result = self.snapshot()?.get(table, key).await?;
+        self.pending.read(table, key, None, result.iter().cloned().collect());
+        Ok(result)
+    }
+
+    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        let limit = limit.min(MAX_SCAN_ROWS);
+        let result = self.snapshot()?.scan(table, prefix, limit).await?;
+        self.pending.read(table, prefix, Some(limit), result.clone());
+        Ok(result)
+    }
+
+    fn row_write(&mut self, write: ValidWrite) {
+        self.pending.write(write)
+    }
+
+    fn message_enqueue(&mut self, params: SendParams) {
+        self.pending.send(params)
+    }
+
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.pending.hold(queue, key, window)
+    }
+
+    fn message_ack(&mut self, lease: &Lease) {
+        self.pending.ack(lease)
+    }
+
+    async fn commit(self: Box<Self>) -> StoreResult<()> {
+        let Buffered { snapshot, pending, group } = *self;
+        drop(snapshot);
+        group.commit(pending).await
+    }
+
+    async fn commit_held(self: Box<Self>, hold: Hold) -> StoreResult<()> {
+        let Buffered { snapshot, pending, group } = *self;
+        drop(snapshot);
+        match hold.commit(pending).await {
+            Ok(result) => result,
+            Err(pending) => group.commit(pending).await,
+        }
+    }
+
+    async fn rollback(self: Box<Self>) {}
 }
 
 /// The statements a driver offers the commit routine, all inside one open
@@ -256,29 +372,56 @@ pub const HOLD_MAX: Duration = Duration::from_millis(500);
 /// Group commit: see the module docs. One committer per store takes
 /// what is queued (up to `max_batch`) and commits it while the workers go
 /// on handling messages; a worker waits only for its own message's result.
+///
+/// It is built with its driver and starts its committer on first use (on
+/// a thread of its own when the driver blocks, else as a task of the
+/// caller's runtime). Its backlog is bounded ([`BACKLOG_PER_BATCH`] batches
+/// of jobs): a caller waits while it is full. [`Group::stop`] lets the
+/// committer commit what is queued and end.
 pub struct Group {
     options: CommitOptions,
-    /// The committer's queue, made (and the committer started) on first use
-    /// (on its own thread, or in the caller's tokio runtime); made anew if that committer is gone.
-    queue: Mutex<Option<mpsc::UnboundedSender<Job>>>,
-    /// Batches committed and messages in them (for `make bench`).
+    /// The store's batch commit (with the injected faults of
+    /// `options.faults`, if any).
+    driver: Arc<dyn BatchCommit>,
+    /// The committer's queue, and its end, once started.
+    queue: Mutex<Option<Committer>>,
+    /// [`Group::stop`] was called: nothing more is taken.
+    stopped: std::sync::atomic::AtomicBool,
+    /// Batches committed and messages in them (`/metrics`, `make bench`).
     pub batches: Arc<std::sync::atomic::AtomicU64>,
     pub messages: Arc<std::sync::atomic::AtomicU64>,
     /// What `options.faults` injected.
     pub faults: Arc<super::faulty::BatchFaultCounts>,
 }
 
+/// A running committer: where jobs go, and what says it ended.
+struct Committer {
+    jobs: mpsc::Sender<Job>,
+    ended: tokio::sync::watch::Receiver<bool>,
+}
+
+/// The committer's backlog, in batches of `max_batch` jobs: callers wait
+/// when more is queued.
+pub const BACKLOG_PER_BATCH: usize = 4;
+
 impl Group {
-    pub fn new(options: CommitOptions) -> Group {
+    pub fn new(options: CommitOptions, driver: Arc<dyn BatchCommit>) -> Group {
+        let faults: Arc<super::faulty::BatchFaultCounts> = Default::default();
+        let driver = match options.faults {
+            Some(plan) => super::faulty::FaultyBatch::wrap(driver, plan, faults.clone()),
+            None => driver,
+        };
         Group {
             options: CommitOptions {
                 max_batch: options.max_batch.max(1),
                 ..options
             },
+            driver,
             queue: Mutex::new(None),
+            stopped: std::sync::atomic::AtomicBool::new(false),
             batches: Default::default(),
             messages: Default::default(),
-            faults: Default::default(),
+            faults,
         }
     }
 
@@ -287,11 +430,9 @@ impl Group {
     }
 
     /// Commit `p` with whatever else is being committed now; its own result.
-    /// `driver` is used if this call starts the committer: it must not own
-    /// the store strongly (the committer would keep it alive).
-    pub async fn commit(&self, driver: impl Fn() -> Arc<dyn BatchCommit>, p: Pending) -> StoreResult<()> {
+    pub async fn commit(&self, p: Pending) -> StoreResult<()> {
         let (tx, rx) = oneshot::channel();
-        self.send(driver, Job::Commit(p, tx))?;
+        self.send(Job::Commit(p, tx)).await?;
         rx.await.unwrap_or_else(|_| {
             Err(StoreError::UnknownOutcome(
                 "the committer stopped during this message's batch".into(),
@@ -301,23 +442,17 @@ impl Group {
 
     /// Run `work` on the committer, after the batch being committed: for a
     /// store whose committer has a thread of its own (SQLite), the other
-    /// writes of the hot path (leases, renewals) then take the write lock
+    /// writes (leases, renewals, failure records) then take the write lock
     /// there, with no hand-off between threads. Measured with 16 workers:
     /// a lease run on the runtime held the next batch back by about 270 µs
     /// (the time for the lease's task to be scheduled once the lock was
     /// its), a fifth of the committer's time.
-    pub async fn run<T: Send + 'static>(
-        &self,
-        driver: impl Fn() -> Arc<dyn BatchCommit>,
-        work: impl Future<Output = StoreResult<T>> + Send + 'static,
-    ) -> StoreResult<T> {
+    pub async fn run<T: Send + 'static>(&self, work: impl Future<Output = StoreResult<T>> + Send + 'static) -> StoreResult<T> {
         let (tx, rx) = oneshot::channel();
-        self.send(
-            driver,
-            Job::Run(Box::pin(async move {
-                let _ = tx.send(work.await);
-            })),
-        )?;
+        self.send(Job::Run(Box::pin(async move {
+            let _ = tx.send(work.await);
+        })))
+        .await?;
         rx.await
             .unwrap_or_else(|_| Err(StoreError::Unavailable("the committer stopped before this write ended".into())))
     }
@@ -328,53 +463,76 @@ impl Group {
     /// committed through the [`Hold`], it goes first in the next batch, and
     /// nothing can change what it read in between (on this host). Holds
     /// are served one at a time, in order.
-    pub async fn hold(&self, driver: impl Fn() -> Arc<dyn BatchCommit>) -> StoreResult<Hold> {
+    pub async fn hold(&self) -> StoreResult<Hold> {
         let (tx, rx) = oneshot::channel();
-        self.send(driver, Job::Hold(tx))?;
+        self.send(Job::Hold(tx)).await?;
         rx.await
             .map_err(|_| StoreError::Unavailable("the committer stopped before it could hold".into()))
     }
 
+    /// Take nothing more, let the committer commit what is queued, and
+    /// wait for it to end. Commits asked for after this fail (unavailable:
+    /// nothing was written).
+    pub async fn stop(&self) {
+        self.stopped.store(true, std::sync::atomic::Ordering::Relaxed);
+        let ended = match self.queue.lock() {
+            // Dropping the sender: the committer ends once the queue is empty.
+            Ok(mut q) => q.take().map(|c| c.ended),
+            Err(_) => None,
+        };
+        if let Some(mut ended) = ended {
+            let _ = ended.wait_for(|e| *e).await;
+        }
+    }
+
     /// Queue `job` for the committer, starting one if there is none (or it
-    /// is gone).
-    fn send(&self, driver: impl Fn() -> Arc<dyn BatchCommit>, job: Job) -> StoreResult<()> {
+    /// is gone); waits while the backlog is full.
+    async fn send(&self, job: Job) -> StoreResult<()> {
         let mut job = Some(job);
         for _ in 0..2 {
-            let sender = {
-                let mut q = self
-                    .queue
-                    .lock()
-                    .map_err(|_| StoreError::Permanent("commit queue poisoned".into()))?;
-                match q.as_ref().filter(|s| !s.is_closed()) {
-                    Some(s) => s.clone(),
-                    None => {
-                        let (s, r) = mpsc::unbounded_channel();
-                        let driver = match self.options.faults {
-                            Some(plan) => super::faulty::FaultyBatch::wrap(driver(), plan, self.faults.clone()),
-                            None => driver(),
-                        };
-                        let runtime = tokio::runtime::Handle::try_current()
-                            .map_err(|e| StoreError::Unavailable(format!("no runtime to start the committer on: {e}")))?;
-                        // On a single-threaded runtime (tests with a paused
-                        // clock) the committer shares its one thread anyway.
-                        let own_thread = driver.blocks() && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
-                        let run = committer(r, driver, self.options, self.batches.clone(), self.messages.clone());
-                        if own_thread {
-                            on_own_thread(run)?;
-                        } else {
-                            runtime.spawn(run);
-                        }
-                        *q = Some(s.clone());
-                        s
-                    }
-                }
-            };
-            match sender.send(job.take().ok_or_else(|| StoreError::Permanent("job sent twice".into()))?) {
+            if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(StoreError::Unavailable("the store is closing: its committer has stopped".into()));
+            }
+            let sender = self.sender()?;
+            match sender
+                .send(job.take().ok_or_else(|| StoreError::Invariant("job sent twice".into()))?)
+                .await
+            {
                 Ok(()) => return Ok(()),
                 Err(mpsc::error::SendError(j)) => job = Some(j), // the committer is gone: start another
             }
         }
         Err(StoreError::Unavailable("the committer could not be started".into()))
+    }
+
+    /// The running committer's queue, starting it if needed.
+    fn sender(&self) -> StoreResult<mpsc::Sender<Job>> {
+        let mut q = self
+            .queue
+            .lock()
+            .map_err(|_| StoreError::Invariant("commit queue poisoned".into()))?;
+        if let Some(c) = q.as_ref().filter(|c| !c.jobs.is_closed()) {
+            return Ok(c.jobs.clone());
+        }
+        let (jobs, r) = mpsc::channel(self.options.max_batch.saturating_mul(BACKLOG_PER_BATCH).max(16));
+        let (ended_tx, ended) = tokio::sync::watch::channel(false);
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|e| StoreError::Unavailable(format!("no runtime to start the committer on: {e}")))?;
+        // On a single-threaded runtime (tests with a paused clock) the
+        // committer shares its one thread anyway.
+        let own_thread = self.driver.blocks() && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+        let run = committer(r, self.driver.clone(), self.options, self.batches.clone(), self.messages.clone());
+        let run = async move {
+            run.await;
+            ended_tx.send_replace(true);
+        };
+        if own_thread {
+            on_own_thread(run)?;
+        } else {
+            runtime.spawn(run);
+        }
+        *q = Some(Committer { jobs: jobs.clone(), ended });
+        Ok(jobs)
     }
 }
 
@@ -402,7 +560,7 @@ fn on_own_thread(run: impl Future<Output = ()> + Send + 'static) -> StoreResult<
 /// other work queued meanwhile and serve the holds; until every sender is
 /// gone (the store was dropped).
 async fn committer(
-    mut rx: mpsc::UnboundedReceiver<Job>,
+    mut rx: mpsc::Receiver<Job>,
     driver: Arc<dyn BatchCommit>,
     options: CommitOptions,
     batches: Arc<std::sync::atomic::AtomicU64>,
@@ -538,22 +696,99 @@ mod tests {
         }
     }
 
+    /// What [`apply`] asked the store, recorded.
+    #[derive(Default)]
+    struct Recording {
+        asked: Vec<String>,
+    }
+
+    impl Executor for Recording {
+        async fn reread(&mut self, read: &ReadRecord) -> StoreResult<Vec<Row>> {
+            self.asked.push(format!("read {} {:?} {:?}", read.table.name, read.key, read.limit));
+            Ok(read.result.clone())
+        }
+        async fn delete_leased(&mut self, lease: &Lease) -> StoreResult<u64> {
+            self.asked.push(format!("lease {}", lease.message_id));
+            Ok(1)
+        }
+        async fn write(&mut self, _w: &ValidWrite) -> StoreResult<()> {
+            Ok(())
+        }
+        async fn dedup_claim(&mut self, queue: &str, key: &str, _id: &str, _window: Duration) -> StoreResult<Option<String>> {
+            self.asked.push(format!("dedup {queue} {key}"));
+            Ok(None)
+        }
+        async fn message_insert(&mut self, _id: &str, _p: &SendParams) -> StoreResult<()> {
+            Ok(())
+        }
+        async fn dedup_hold(&mut self, queue: &str, key: &str, _window: Duration) -> StoreResult<()> {
+            self.asked.push(format!("dedup {queue} {key}"));
+            Ok(())
+        }
+    }
+
+    /// `apply` reads exactly what `needs` says, for every kind of pending:
+    /// Spanner's read-ahead reads `needs` before deciding, so a read added
+    /// to `apply` without it would be answered wrong there.
+    #[tokio::test]
+    async fn needs_cover_every_read_of_apply() {
+        let table = TableSchema {
+            name: "t".into(),
+            columns: vec![crate::schema::ColumnSchema {
+                name: "id".into(),
+                ty: crate::schema::ColumnType::String,
+                nullable: false,
+            }],
+            primary_key: vec![0],
+        };
+        let mut full = pending("m-1");
+        full.read(&table, &[Value::String("a".into())], None, vec![]);
+        full.read(&table, &[], Some(10), vec![]);
+        full.send(SendParams {
+            queue: "next".into(),
+            dedup_key: Some("k-1".into()),
+            ..SendParams::default()
+        });
+        full.send(SendParams {
+            queue: "next".into(),
+            ..SendParams::default()
+        });
+        full.hold("onceq.outbox.hook", "k-2", Duration::from_secs(1));
+        for p in [Pending::default(), pending("m-2"), full] {
+            let mut ex = Recording::default();
+            apply(&mut ex, &p, Duration::from_secs(60)).await.unwrap();
+            let needs = p.needs();
+            let mut needed: Vec<String> = needs
+                .reads
+                .iter()
+                .map(|r| format!("read {} {:?} {:?}", r.table.name, r.key, r.limit))
+                .chain(needs.ack.map(|l| format!("lease {}", l.message_id)))
+                .chain(needs.dedup_keys.iter().map(|(q, k)| format!("dedup {q} {k}")))
+                .collect();
+            let mut asked = ex.asked;
+            needed.sort();
+            asked.sort();
+            assert_eq!(asked, needed, "apply read what needs() does not name, or the other way");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_commits_are_grouped_and_each_gets_its_own_result() {
-        let group = Arc::new(Group::new(CommitOptions {
-            max_batch: 16,
-            max_wait: Duration::from_millis(20),
-            faults: None,
-        }));
         let rec = Arc::new(Recorder {
             sizes: Mutex::new(vec![]),
             calls: AtomicUsize::new(0),
         });
+        let options = CommitOptions {
+            max_batch: 16,
+            max_wait: Duration::from_millis(20),
+            faults: None,
+        };
+        let group = Arc::new(Group::new(options, rec.clone()));
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..40 {
-            let (g, r) = (group.clone(), rec.clone());
+            let g = group.clone();
             let id = if i % 10 == 3 { format!("lost-{i}") } else { format!("m-{i}") };
-            tasks.spawn(async move { (id.clone(), g.commit(|| r.clone() as Arc<dyn BatchCommit>, pending(&id)).await) });
+            tasks.spawn(async move { (id.clone(), g.commit(pending(&id)).await) });
         }
         let mut ok = 0;
         while let Some(r) = tasks.join_next().await {
@@ -574,18 +809,94 @@ mod tests {
 
     #[tokio::test]
     async fn max_batch_one_commits_each_message_alone() {
-        let group = Group::new(CommitOptions {
-            max_batch: 1,
-            max_wait: Duration::ZERO,
-            faults: None,
-        });
         let rec = Arc::new(Recorder {
             sizes: Mutex::new(vec![]),
             calls: AtomicUsize::new(0),
         });
-        let d = || rec.clone() as Arc<dyn BatchCommit>;
-        let (a, b) = tokio::join!(group.commit(d, pending("a")), group.commit(d, pending("b")));
+        let options = CommitOptions {
+            max_batch: 1,
+            max_wait: Duration::ZERO,
+            faults: None,
+        };
+        let group = Group::new(options, rec.clone());
+        let (a, b) = tokio::join!(group.commit(pending("a")), group.commit(pending("b")));
         assert!(a.is_ok() && b.is_ok());
         assert_eq!(*rec.sizes.lock().unwrap(), vec![1, 1]);
+    }
+
+    /// `stop` lets the committer commit what was queued, then end; a
+    /// commit asked for after it is refused without being written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stop_commits_what_is_queued_then_refuses() {
+        let rec = Arc::new(Recorder {
+            sizes: Mutex::new(vec![]),
+            calls: AtomicUsize::new(0),
+        });
+        let group = Arc::new(Group::new(CommitOptions::default(), rec.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..20 {
+            let g = group.clone();
+            tasks.spawn(async move { g.commit(pending(&format!("m-{i}"))).await });
+        }
+        // Let the commits queue, then stop.
+        while group.messages.load(Ordering::Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+        group.stop().await;
+        while let Some(r) = tasks.join_next().await {
+            assert!(r.unwrap().is_ok(), "a commit queued before the stop is committed");
+        }
+        assert_eq!(rec.sizes.lock().unwrap().iter().sum::<usize>(), 20);
+        let late = group.commit(pending("late")).await;
+        assert!(matches!(late, Err(StoreError::Unavailable(_))), "{late:?}");
+        assert_eq!(
+            rec.sizes.lock().unwrap().iter().sum::<usize>(),
+            20,
+            "nothing committed after the stop"
+        );
+    }
+
+    /// A full backlog makes callers wait, not grow it: with a committer
+    /// slower than its callers, at most the bound is queued at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_backlog_is_bounded() {
+        struct Slow(Arc<std::sync::atomic::AtomicUsize>);
+        #[async_trait]
+        impl BatchCommit for Slow {
+            async fn commit_batch(&self, batch: Vec<Pending>) -> Vec<StoreResult<()>> {
+                self.0.fetch_add(batch.len(), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                batch.iter().map(|_| Ok(())).collect()
+            }
+            async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+                self.commit_batch(collect()).await
+            }
+            fn blocks(&self) -> bool {
+                false
+            }
+        }
+        let committed = Arc::new(AtomicUsize::new(0));
+        let options = CommitOptions {
+            max_batch: 2,
+            max_wait: Duration::ZERO,
+            faults: None,
+        };
+        let group = Arc::new(Group::new(options, Arc::new(Slow(committed.clone()))));
+        let sent = Arc::new(AtomicUsize::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let (g, s) = (group.clone(), sent.clone());
+            tasks.spawn(async move {
+                let (tx, _rx) = oneshot::channel();
+                g.send(Job::Commit(pending(&format!("m-{i}")), tx)).await.unwrap();
+                s.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let queued = sent.load(Ordering::Relaxed).saturating_sub(committed.load(Ordering::Relaxed));
+        // The queue holds at most max(2 x 4, 16) jobs, one batch is being
+        // committed, and a few senders may be between their send and count.
+        assert!(queued <= 16 + 2 + 4, "{queued} jobs queued beyond the committer");
+        tasks.abort_all();
     }
 }

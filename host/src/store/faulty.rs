@@ -215,6 +215,9 @@ impl Store for FaultyStore {
     async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
         self.inner.commit_hold().await
     }
+    async fn close(&self) {
+        self.inner.close().await
+    }
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
         Ok(Box::new(FaultyTransaction {
             inner: self.inner.transaction_begin().await?,

@@ -29,8 +29,6 @@ pub mod memory;
 #[cfg(feature = "spanner")]
 pub mod spanner;
 pub mod sqlite;
-#[cfg(feature = "spanner")]
-mod turns;
 
 /// What went wrong in a store operation, classified for the protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -58,7 +56,11 @@ pub enum StoreError {
     /// duplicate key on insert, missing row on update, ...).
     #[error("write refused by the database: {0}")]
     WriteRefused(String),
-    /// Anything else: a bug, a corrupt database, a bad configuration.
+    /// One of onceq's own invariants did not hold (a bug, or a database
+    /// changed behind onceq's back): the host's trouble, never a message's.
+    #[error("onceq invariant broken: {0}")]
+    Invariant(String),
+    /// Anything else: a corrupt database, a bad configuration.
     #[error("{0}")]
     Permanent(String),
 }
@@ -81,6 +83,7 @@ impl StoreError {
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::AssertionFailed(_) => "assertion_failed",
             StoreError::WriteRefused(_) => "write_refused",
+            StoreError::Invariant(_) => "invariant",
             StoreError::Permanent(_) => "permanent",
         }
     }
@@ -97,6 +100,16 @@ pub const MAX_SCAN_ROWS: usize = 1000;
 /// a REAL that no reader expects). The settings (`max_delay`, lease limits)
 /// refuse far less than this first; this is the store's own guard.
 pub const MAX_SCHEDULE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// Attributes as stored: a JSON array of `[name, value]` pairs.
+pub(crate) fn attrs_to_json(a: &[(String, String)]) -> String {
+    serde_json::to_string(a).unwrap_or_else(|_| "[]".to_string())
+}
+
+/// Attributes as stored, read back (malformed: none).
+pub(crate) fn attrs_from_json(s: &str) -> Vec<(String, String)> {
+    serde_json::from_str(s).unwrap_or_default()
+}
 
 /// A duration as the stores' microseconds, cut to [`MAX_SCHEDULE`].
 pub fn micros(d: Duration) -> i64 {
@@ -377,6 +390,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Counts per queue (outbox queues included), with dedup keys held.
     async fn stats(&self) -> StoreResult<Stats>;
+
+    /// Stop taking commits: what is queued is committed, then the
+    /// committer ends. Commits asked for after this are refused
+    /// (unavailable, nothing written).
+    async fn close(&self);
 
     /// Dead letters, newest first.
     async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>>;

@@ -125,8 +125,9 @@ struct Inner {
     readers: Mutex<Vec<Connection>>,
     schema: Arc<Schema>,
     options: StoreOptions,
-    /// Message commits, grouped ([`commit::Group`]).
-    group: commit::Group,
+    /// Message commits, grouped ([`commit::Group`]); leases, renewals and
+    /// failure records run on its committer too.
+    group: Arc<commit::Group>,
 }
 
 /// The SQLite store.
@@ -331,14 +332,6 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
         }
     }
     Ok(())
-}
-
-fn attrs_to_json(a: &[(String, String)]) -> String {
-    serde_json::to_string(a).unwrap_or_else(|_| "[]".to_string())
-}
-
-fn attrs_from_json(s: &str) -> Vec<(String, String)> {
-    serde_json::from_str(s).unwrap_or_default()
 }
 
 /// `(queue, count)` rows of a `SELECT queue, COUNT(*) ... GROUP BY queue`.
@@ -568,16 +561,16 @@ impl SqliteStore {
             .with_context(|| format!("adding the processed counts to {}", path.display()))?;
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
-        Ok(SqliteStore {
-            inner: Arc::new(Inner {
-                path: path.to_path_buf(),
-                writer: tokio::sync::Mutex::new(conn),
-                readers: Mutex::new(Vec::new()),
-                schema: Arc::new(schema),
-                group: commit::Group::new(options.commit),
-                options: options.clone(),
-            }),
-        })
+        // The committer holds the store weakly: dropping the store stops it.
+        let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| Inner {
+            path: path.to_path_buf(),
+            writer: tokio::sync::Mutex::new(conn),
+            readers: Mutex::new(Vec::new()),
+            schema: Arc::new(schema),
+            group: Arc::new(commit::Group::new(options.commit, Arc::new(SqliteBatch(weak.clone())))),
+            options: options.clone(),
+        });
+        Ok(SqliteStore { inner })
     }
 
     pub fn path(&self) -> &Path {
@@ -606,21 +599,12 @@ impl SqliteStore {
 ///
 /// Its statements and fsync block: the committer runs them on a thread of
 /// its own ([`commit::BatchCommit::blocks`]), so they never stall the
-/// runtime's threads running handlers. Leases and renewals run there too,
-/// between batches ([`Inner::write_undurable`]); the other short
-/// statements (retry, release, a handler's reads: microseconds each) stay
-/// on the async workers.
+/// runtime's threads running handlers. Leases, renewals and failure records
+/// run there too, between batches ([`Inner::on_committer`]); sends, reads
+/// and the tools' statements take the writer from the async workers.
 ///
 /// The committer holds the store weakly: dropping the store stops it.
 struct SqliteBatch(std::sync::Weak<Inner>);
-
-impl SqliteBatch {
-    /// What [`commit::Group`] starts its committer with, if it has none.
-    fn driver(inner: &Arc<Inner>) -> impl Fn() -> Arc<dyn commit::BatchCommit> {
-        let weak = Arc::downgrade(inner);
-        move || Arc::new(SqliteBatch(weak.clone())) as Arc<dyn commit::BatchCommit>
-    }
-}
 
 #[async_trait]
 impl commit::BatchCommit for SqliteBatch {
@@ -781,11 +765,22 @@ impl Inner {
     ) -> StoreResult<T> {
         let inner = self.clone();
         self.group
-            .run(SqliteBatch::driver(self), async move {
+            .run(async move {
                 let mut conn = inner.writer.lock().await;
                 inner.undurable(&mut conn, f)
             })
             .await
+    }
+
+    /// [`Self::write`], run on the committer between two batches: the
+    /// failure records (retry later, dead letter, release) take the write
+    /// lock where the batches take it, not beside them.
+    async fn on_committer<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    ) -> StoreResult<T> {
+        let inner = self.clone();
+        self.group.run(async move { write_on(&mut *inner.writer.lock().await, f) }).await
     }
 
     fn undurable<T>(&self, conn: &mut Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
@@ -950,7 +945,8 @@ impl Store for SqliteStore {
     }
 
     async fn message_dead_letter(&self, lease: &Lease, p: DeadLetterParams) -> StoreResult<()> {
-        self.write(|c| {
+        let lease = lease.clone();
+        self.inner.on_committer(move |c| {
             let n = c
                 .prepare_cached(&format!(
                     "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures)
@@ -973,15 +969,19 @@ impl Store for SqliteStore {
     }
 
     async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
-        self.inner.group.hold(SqliteBatch::driver(&self.inner)).await.map(Some)
+        self.inner.group.hold().await.map(Some)
+    }
+
+    async fn close(&self) {
+        self.inner.group.stop().await
     }
 
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
-        Ok(Box::new(SqliteTransaction {
+        let snapshot = SqliteSnapshot {
             inner: self.inner.clone(),
             reader: None,
-            pending: commit::Pending::default(),
-        }))
+        };
+        Ok(Box::new(commit::Buffered::new(snapshot, self.inner.group.clone())))
     }
 
     async fn stats(&self) -> StoreResult<Stats> {
@@ -1194,38 +1194,43 @@ fn dead_letter_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeadLetter> {
 impl SqliteStore {
     /// `UPDATE onceq_messages SET <set> WHERE id = ?1 AND lease_token = ?2`,
     /// asserting one row.
+    ///
+    /// A failure record: run on the committer, between two batches.
     async fn guarded_update(&self, lease: &Lease, set: &str, p3: Option<SqlValue>, p4: Option<SqlValue>) -> StoreResult<()> {
         let sql = format!("UPDATE onceq_messages SET {set} WHERE id = ?1 AND lease_token = ?2");
-        self.write(|c| {
-            let mut params: Vec<SqlValue> = vec![SqlValue::Text(lease.message_id.clone()), SqlValue::Text(lease.token.clone())];
-            params.extend(p3);
-            params.extend(p4);
-            let n = c
-                .prepare_cached(&sql)
-                .and_then(|mut s| s.execute(rusqlite::params_from_iter(params)))
-                .map_err(classify)?;
-            if n == 1 {
-                Ok(())
-            } else {
-                Err(StoreError::LeaseLost {
-                    message_id: lease.message_id.clone(),
-                })
-            }
-        })
-        .await
+        let lease = lease.clone();
+        self.inner
+            .on_committer(move |c| {
+                let mut params: Vec<SqlValue> = vec![SqlValue::Text(lease.message_id.clone()), SqlValue::Text(lease.token.clone())];
+                params.extend(p3);
+                params.extend(p4);
+                let n = c
+                    .prepare_cached(&sql)
+                    .and_then(|mut s| s.execute(rusqlite::params_from_iter(params)))
+                    .map_err(classify)?;
+                if n == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::LeaseLost {
+                        message_id: lease.message_id.clone(),
+                    })
+                }
+            })
+            .await
     }
 }
 
-struct SqliteTransaction {
+/// A message transaction's reads: a pooled reader connection in a read
+/// transaction (one WAL snapshot for all of them), opened on the first
+/// read, ended when dropped ([`commit::Buffered`] drops it before the
+/// commit waits: the connection is not `Sync`).
+struct SqliteSnapshot {
     inner: Arc<Inner>,
-    /// A reader connection holding an open read transaction (the snapshot).
     reader: Option<Connection>,
-    /// What the commit will re-check and apply.
-    pending: commit::Pending,
 }
 
-impl SqliteTransaction {
-    fn snapshot(&mut self) -> StoreResult<&Connection> {
+impl SqliteSnapshot {
+    fn open(&mut self) -> StoreResult<&Connection> {
         if self.reader.is_none() {
             let c = self.inner.reader()?;
             c.execute_batch("BEGIN DEFERRED").map_err(classify)?;
@@ -1233,10 +1238,12 @@ impl SqliteTransaction {
         }
         self.reader
             .as_ref()
-            .ok_or_else(|| StoreError::Permanent("reader connection missing".into()))
+            .ok_or_else(|| StoreError::Invariant("reader connection missing".into()))
     }
+}
 
-    fn end_snapshot(&mut self) {
+impl Drop for SqliteSnapshot {
+    fn drop(&mut self) {
         if let Some(c) = self.reader.take() {
             if c.execute_batch("ROLLBACK").is_ok() {
                 self.inner.reader_return(c);
@@ -1245,69 +1252,17 @@ impl SqliteTransaction {
     }
 }
 
-impl Drop for SqliteTransaction {
-    fn drop(&mut self) {
-        self.end_snapshot();
-    }
-}
-
 fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSchema> {
     schema.table(&w.table).map_err(StoreError::Permanent)
 }
 
 #[async_trait]
-impl Transaction for SqliteTransaction {
-    async fn row_get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
-        let result = row_get_on(self.snapshot()?, table, key)?;
-        self.pending.read(table, key, None, result.iter().cloned().collect());
-        Ok(result)
+impl commit::Snapshot for SqliteSnapshot {
+    async fn get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        row_get_on(self.open()?, table, key)
     }
 
-    async fn row_scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
-        let limit = limit.min(MAX_SCAN_ROWS);
-        let result = row_scan_on(self.snapshot()?, table, prefix, limit)?;
-        self.pending.read(table, prefix, Some(limit), result.clone());
-        Ok(result)
-    }
-
-    fn row_write(&mut self, write: ValidWrite) {
-        self.pending.write(write)
-    }
-
-    fn message_enqueue(&mut self, params: SendParams) {
-        self.pending.send(params)
-    }
-
-    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
-        self.pending.hold(queue, key, window)
-    }
-
-    fn message_ack(&mut self, lease: &Lease) {
-        self.pending.ack(lease)
-    }
-
-    async fn commit(mut self: Box<Self>) -> StoreResult<()> {
-        self.end_snapshot();
-        let pending = std::mem::take(&mut self.pending);
-        // The reader connection (not `Sync`) must not be held across the
-        // await below.
-        let inner = self.inner.clone();
-        drop(self);
-        inner.group.commit(SqliteBatch::driver(&inner), pending).await
-    }
-
-    async fn commit_held(mut self: Box<Self>, hold: commit::Hold) -> StoreResult<()> {
-        self.end_snapshot();
-        let pending = std::mem::take(&mut self.pending);
-        let inner = self.inner.clone();
-        drop(self);
-        match hold.commit(pending).await {
-            Ok(result) => result,
-            Err(pending) => inner.group.commit(SqliteBatch::driver(&inner), pending).await,
-        }
-    }
-
-    async fn rollback(mut self: Box<Self>) {
-        self.end_snapshot();
+    async fn scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        row_scan_on(self.open()?, table, prefix, limit)
     }
 }

@@ -1,0 +1,374 @@
+//! Database administration: onceq's own tables (DDL), creating, opening,
+//! upgrading and dropping a database, and reading its schema. Start-up
+//! queries are retried while the failure is transient ([`retrying`]).
+
+use super::*;
+
+/// onceq's own tables, in GoogleSQL.
+pub fn system_ddl() -> Vec<String> {
+    [
+        "CREATE TABLE onceq_messages (
+            shard INT64 NOT NULL, id STRING(64) NOT NULL, queue STRING(256) NOT NULL,
+            payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL, attempt INT64 NOT NULL,
+            enqueued_at INT64 NOT NULL, visible_at INT64 NOT NULL, lease_token STRING(64), last_error STRING(MAX),
+            failures INT64 NOT NULL DEFAULT (0)
+         ) PRIMARY KEY (shard, id)",
+        "CREATE INDEX onceq_messages_visible ON onceq_messages (queue, shard, visible_at)",
+        "CREATE TABLE onceq_dead_letters (
+            id STRING(64) NOT NULL, queue STRING(256) NOT NULL, payload BYTES(MAX) NOT NULL, attributes STRING(MAX) NOT NULL,
+            attempts INT64 NOT NULL, enqueued_at INT64 NOT NULL, failed_at INT64 NOT NULL, reason STRING(MAX) NOT NULL,
+            handler_version STRING(64), failures INT64 NOT NULL DEFAULT (0)
+         ) PRIMARY KEY (id)",
+        "CREATE TABLE onceq_dedup (
+            queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
+         ) PRIMARY KEY (queue, dedup_key)",
+        "CREATE INDEX onceq_dedup_expiry ON onceq_dedup (expires_at)",
+        COUNTS_DDL,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The processed counts (`onceq stats`): a row per queue and per store
+/// instance (`shard`), so hosts never contend for one row; stats add them.
+pub(super) const COUNTS_DDL: &str = "CREATE TABLE onceq_counts (
+            queue STRING(256) NOT NULL, shard INT64 NOT NULL, processed INT64 NOT NULL, last_at INT64 NOT NULL
+         ) PRIMARY KEY (queue, shard)";
+
+/// Split a GoogleSQL DDL file into statements (on `;`, dropping `--`
+/// comments and blank statements).
+pub fn split_ddl(ddl: &str) -> Vec<String> {
+    let text: String = ddl
+        .lines()
+        .map(|l| l.split("--").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    text.split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// `projects/P/instances/I/databases/D` -> (P, I, D).
+pub fn parse_database(path: &str) -> anyhow::Result<(String, String, String)> {
+    let parts: Vec<&str> = path.split('/').collect();
+    match parts.as_slice() {
+        ["projects", p, "instances", i, "databases", d] if !p.is_empty() && !i.is_empty() && !d.is_empty() => {
+            Ok((p.to_string(), i.to_string(), d.to_string()))
+        }
+        _ => anyhow::bail!("Spanner database {path:?}: expected projects/PROJECT/instances/INSTANCE/databases/DATABASE"),
+    }
+}
+
+/// The REST admin endpoint: `ONCEQ_SPANNER_ADMIN_ENDPOINT` (the emulator's
+/// gateway_main), else the client's default.
+pub(super) fn admin_endpoint() -> Option<String> {
+    std::env::var("ONCEQ_SPANNER_ADMIN_ENDPOINT").ok().filter(|s| !s.is_empty())
+}
+
+/// The database admin client, at [`admin_endpoint`] if set.
+pub(super) async fn database_admin(spanner: &Spanner) -> anyhow::Result<google_cloud_spanner::client::DatabaseAdmin> {
+    let mut b = spanner.database_admin_builder();
+    if let Some(ep) = admin_endpoint() {
+        b = b.with_endpoint(ep);
+    }
+    b.build().await.map_err(|e| anyhow::anyhow!("database admin: {e}"))
+}
+
+/// A start-up query, retried while the failure is transient (no answer
+/// within the call deadline, unavailable): each failure logged at WARN with
+/// its pause, up to about a minute and a half in all, before the host gives
+/// up with the last error.
+pub(super) async fn retrying<T, Fut: std::future::Future<Output = StoreResult<T>>>(
+    what: &str,
+    mut call: impl FnMut() -> Fut,
+) -> StoreResult<T> {
+    const TRIES: u32 = 8;
+    let mut pause = Duration::from_millis(200);
+    for attempt in 1..=TRIES {
+        match call().await {
+            Err(e) if (e.is_retryable() || e.is_unknown_outcome()) && attempt < TRIES => {
+                tracing::warn!(
+                    "{what} failed (try {attempt} of {TRIES}, again in {}): {e}",
+                    crate::names::duration(pause)
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+            other => return other,
+        }
+    }
+    Err(StoreError::Unavailable(format!("{what}: no try left")))
+}
+
+/// Apply `statements` to `database` and wait for them, within five minutes.
+pub(super) async fn update_ddl(database: &str, statements: Vec<String>) -> anyhow::Result<()> {
+    use google_cloud_lro::Poller;
+    let spanner = Spanner::builder()
+        .build()
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+    let admin = database_admin(&spanner).await?;
+    let update = admin
+        .update_database_ddl()
+        .set_database(database)
+        .set_statements(statements.clone())
+        .poller()
+        .until_done();
+    tokio::time::timeout(Duration::from_secs(300), update)
+        .await
+        .map_err(|_| anyhow::anyhow!("updating the schema of {database}: no answer within 5m"))?
+        .map_err(|e| anyhow::anyhow!("updating the schema of {database} ({}): {e}", statements.join("; ")))?;
+    Ok(())
+}
+
+impl SpannerStore {
+    /// `onceq init` on Spanner: on the emulator also create the instance;
+    /// create the database with onceq's tables and the business DDL.
+    pub fn init<'a>(
+        opts: &'a SpannerOptions,
+        business_ddl: &'a str,
+        options: &'a StoreOptions,
+    ) -> crate::BoxFuture<'a, anyhow::Result<SpannerStore>> {
+        Box::pin(async move {
+            // Creating a database on real Spanner takes up to a minute or two.
+            const INIT_DEADLINE: Duration = Duration::from_secs(300);
+            tokio::time::timeout(INIT_DEADLINE, Self::create(opts, business_ddl))
+                .await
+                .map_err(|_| anyhow::anyhow!("creating database {}: no answer from Spanner within 5m", opts.database))??;
+            Self::open(opts, options).await
+        })
+    }
+
+    /// The emulator's instance (on the emulator) and the database.
+    pub(super) async fn create(opts: &SpannerOptions, business_ddl: &str) -> anyhow::Result<()> {
+        use google_cloud_lro::Poller;
+        let (project, instance, database) = parse_database(&opts.database)?;
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
+        if emulator {
+            let mut b = spanner.instance_admin_builder();
+            if let Some(ep) = admin_endpoint() {
+                b = b.with_endpoint(ep);
+            }
+            let admin = b.build().await.map_err(|e| anyhow::anyhow!("instance admin: {e}"))?;
+            let created = admin
+                .create_instance()
+                .set_parent(format!("projects/{project}"))
+                .set_instance_id(instance.clone())
+                .set_instance(
+                    google_cloud_spanner_admin_instance_v1::model::Instance::new()
+                        .set_config(format!("projects/{project}/instanceConfigs/emulator-config"))
+                        .set_display_name(instance.clone())
+                        .set_node_count(1),
+                )
+                .poller()
+                .until_done()
+                .await;
+            if let Err(e) = created {
+                if !e.to_string().contains("lready exists") {
+                    anyhow::bail!("creating emulator instance {instance}: {e}");
+                }
+            }
+        }
+        let admin = database_admin(&spanner).await?;
+        let mut ddl = system_ddl();
+        ddl.extend(split_ddl(business_ddl));
+        admin
+            .create_database()
+            .set_parent(format!("projects/{project}/instances/{instance}"))
+            .set_create_statement(format!("CREATE DATABASE `{database}`"))
+            .set_extra_statements(ddl)
+            .poller()
+            .until_done()
+            .await
+            .map_err(|e| anyhow::anyhow!("creating database {}: {e}", opts.database))?;
+        Ok(())
+    }
+
+    /// Drop `database` (`projects/P/instances/I/databases/D`), within a
+    /// minute: what the bench does after each run on the emulator, so its
+    /// databases do not pile up there.
+    pub async fn drop_database(database: &str) -> anyhow::Result<()> {
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let admin = database_admin(&spanner).await?;
+        tokio::time::timeout(Duration::from_secs(60), admin.drop_database().set_database(database).send())
+            .await
+            .map_err(|_| anyhow::anyhow!("dropping database {database}: no answer within 1m"))?
+            .map_err(|e| anyhow::anyhow!("dropping database {database}: {e}"))
+    }
+
+    /// Connect to an existing database.
+    pub async fn open(opts: &SpannerOptions, options: &StoreOptions) -> anyhow::Result<SpannerStore> {
+        let spanner = Spanner::builder()
+            .build()
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
+        let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
+        let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
+        let schema = retrying("the schema query", || {
+            pool.within("the schema query", false, Self::load_schema(&pool))
+        })
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("reading the schema of {}", opts.database)))?;
+        let tables = retrying("the system tables query", || {
+            pool.within("the system tables query", false, Self::system_columns(&pool))
+        })
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
+        Self::migrate(&pool, &opts.database, &tables).await?;
+        let counts = match tables.contains(&("onceq_counts".to_string(), "processed".to_string())) {
+            true => Some(shard_of(&random_id(), u32::MAX)),
+            false => {
+                tracing::warn!(
+                    "{} has no onceq_counts table (made by an older onceq): `onceq stats` will not count processed messages; add it with: {}",
+                    opts.database,
+                    COUNTS_DDL.split_whitespace().collect::<Vec<_>>().join(" ")
+                );
+                None
+            }
+        };
+        let schema = Arc::new(schema);
+        let shards = opts.shards.max(1);
+        let batch = SpannerBatch {
+            pool: pool.clone(),
+            schema: schema.clone(),
+            shards,
+            window: options.dedup_window,
+            counts,
+        };
+        Ok(SpannerStore {
+            pool,
+            schema,
+            group: Arc::new(commit::Group::new(options.commit, Arc::new(batch))),
+            options: options.clone(),
+            shards,
+            counts,
+        })
+    }
+
+    /// onceq's own tables and their columns, as (table, column).
+    pub(super) async fn system_columns(pool: &Arc<Pool>) -> StoreResult<BTreeSet<(String, String)>> {
+        let c = pool.get().await?;
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(
+                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.COLUMNS
+                     WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_')",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        let mut out = BTreeSet::new();
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            out.insert((r.get::<String>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?));
+        }
+        Ok(out)
+    }
+
+    /// Bring a database made by an older onceq up to date: the `failures`
+    /// columns (failures counted apart from deliveries). A queued message
+    /// starts with none; a dead letter keeps its old count as its failures.
+    pub(super) async fn migrate(pool: &Arc<Pool>, database: &str, tables: &BTreeSet<(String, String)>) -> anyhow::Result<()> {
+        let has = |t: &str, c: &str| tables.contains(&(t.to_string(), c.to_string()));
+        let mut ddl = Vec::new();
+        for table in ["onceq_messages", "onceq_dead_letters"] {
+            if has(table, "id") && !has(table, "failures") {
+                ddl.push(format!("ALTER TABLE {table} ADD COLUMN failures INT64 NOT NULL DEFAULT (0)"));
+            }
+        }
+        if ddl.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(%database, "adding the failure counts to onceq's tables: {}", ddl.join("; "));
+        update_ddl(database, ddl).await?;
+        if has("onceq_dead_letters", "id") && !has("onceq_dead_letters", "failures") {
+            let stmt = Statement::builder("UPDATE onceq_dead_letters SET failures = attempts WHERE failures = 0").build();
+            pool.rw("the dead letters' failure counts", move |tx| {
+                let stmt = stmt.clone();
+                async move { tx.execute_update(stmt).await }
+            })
+            .await
+            .map_err(|e| anyhow::Error::new(e).context(format!("setting the failure counts of old dead letters in {database}")))?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
+        let c = pool.get().await?;
+        let tx = c.single_use().build();
+        let mut rs = tx
+            .execute_query(
+                Statement::builder(
+                    "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE FROM INFORMATION_SCHEMA.COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_') ORDER BY TABLE_NAME, ORDINAL_POSITION",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        let mut schema = Schema::default();
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let (t, c, ty, nullable): (String, String, String, String) = (
+                r.get(0).map_err(classify)?,
+                r.get(1).map_err(classify)?,
+                r.get(2).map_err(classify)?,
+                r.get(3).map_err(classify)?,
+            );
+            let ty = column_type_from_decl(&ty)
+                .ok_or_else(|| StoreError::Permanent(format!("table {t}: column {c} has type {ty}, which onceq cannot map")))?;
+            schema
+                .tables
+                .entry(t.clone())
+                .or_insert_with(|| TableSchema {
+                    name: t.clone(),
+                    columns: vec![],
+                    primary_key: vec![],
+                })
+                .columns
+                .push(ColumnSchema {
+                    name: c,
+                    ty,
+                    nullable: nullable == "YES",
+                });
+        }
+        let tx = c.single_use().build();
+        let mut rs = tx
+            .execute_query(
+                Statement::builder(
+                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.INDEX_COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND INDEX_TYPE = 'PRIMARY_KEY' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_')
+                 ORDER BY TABLE_NAME, ORDINAL_POSITION",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let (t, c): (String, String) = (r.get(0).map_err(classify)?, r.get(1).map_err(classify)?);
+            if let Some(table) = schema.tables.get_mut(&t) {
+                if let Some(i) = table.columns.iter().position(|col| col.name == c) {
+                    table.primary_key.push(i);
+                    if let Some(col) = table.columns.get_mut(i) {
+                        col.nullable = false;
+                    }
+                }
+            }
+        }
+        Ok(schema)
+    }
+}

@@ -1,0 +1,526 @@
+//! The [`Store`] implementation: sends, failure records, dead letters,
+//! listings and counts (the lease is in `lease.rs`, the batch commit in
+//! `batch.rs`).
+
+use super::*;
+
+impl SpannerStore {
+    /// `UPDATE onceq_messages SET <set> WHERE <lease>`: exactly one row, or
+    /// `LeaseLost`.
+    pub(super) async fn guarded_update(&self, what: &str, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
+        let (shard, id) = (lease.shard, lease.message_id.clone());
+        let sql = format!("UPDATE onceq_messages SET {set} WHERE shard = @s AND id = @id AND lease_token = @t");
+        let token = lease.token.clone();
+        let id2 = id.clone();
+        let count = self
+            .rw(what, move |tx| {
+                let mut b = Statement::builder(sql.clone())
+                    .add_param("s", shard)
+                    .add_param("id", id2.clone())
+                    .add_param("t", token.clone())
+                    .add_param("n", n);
+                if let Some(t) = &text {
+                    b = b.add_param("x", t.clone());
+                }
+                let stmt = b.build();
+                async move { tx.execute_update(stmt).await }
+            })
+            .await?;
+        if count == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost { message_id: id })
+        }
+    }
+
+    pub(super) async fn query_rows(&self, stmt: Statement, table: &TableSchema) -> StoreResult<Vec<Row>> {
+        self.pool
+            .within(&format!("a query of {}", table.name), false, async {
+                let c = self.pool.get().await?;
+                let rs = c.single_use().build().execute_query(stmt).await.map_err(classify)?;
+                collect(table, rs).await
+            })
+            .await
+    }
+
+    /// The queue counts ([`Store::stats`]), without the deadline.
+    pub(super) async fn stats_now(&self) -> StoreResult<Stats> {
+        let c = self.pool.get().await?;
+        let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(format!(
+                    "SELECT queue, COUNTIF(visible_at <= {NOW}), COUNTIF(visible_at > {NOW} AND lease_token IS NOT NULL),
+                        COUNTIF(visible_at > {NOW} AND lease_token IS NULL),
+                        MIN(IF(visible_at > {NOW} AND lease_token IS NULL, DIV(visible_at - {NOW}, 1000), NULL)),
+                        COUNTIF(visible_at <= {NOW} AND lease_token IS NOT NULL)
+                 FROM onceq_messages GROUP BY queue"
+                ))
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        while let Some(r) = rs.next().await {
+            let r = r.map_err(classify)?;
+            let q: String = r.get(0).map_err(classify)?;
+            let e = queue_entry(&mut by_queue, q);
+            e.ready = r.get::<i64>(1).map_err(classify)? as u64;
+            e.leased = r.get::<i64>(2).map_err(classify)? as u64;
+            e.delayed = r.get::<i64>(3).map_err(classify)? as u64;
+            e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
+            e.expired_leases = r.get::<i64>(5).map_err(classify)? as u64;
+        }
+        if self.counts.is_some() {
+            let mut rs = c
+                .single_use()
+                .build()
+                .execute_query(Statement::builder("SELECT queue, SUM(processed), MAX(last_at) FROM onceq_counts GROUP BY queue").build())
+                .await
+                .map_err(classify)?;
+            while let Some(r) = rs.next().await {
+                let r = r.map_err(classify)?;
+                let e = queue_entry(&mut by_queue, r.get::<String>(0).map_err(classify)?);
+                e.processed = r.get::<i64>(1).map_err(classify)?.max(0) as u64;
+                e.last_processed_at = r.get::<Option<i64>>(2).map_err(classify)?;
+            }
+        }
+        for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
+            queue_entry(&mut by_queue, q).dead = n;
+        }
+        for (q, n) in counts_by_queue(
+            &c,
+            format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
+        )
+        .await?
+        {
+            queue_entry(&mut by_queue, q).dedup_keys = n;
+        }
+        Ok(Stats {
+            queues: by_queue.into_values().collect(),
+        })
+    }
+
+    /// A pseudo-schema for onceq's own tables, to reuse the typed reader.
+    pub(super) fn system_table(name: &str, cols: &[(&str, ColumnType)]) -> TableSchema {
+        TableSchema {
+            name: name.into(),
+            columns: cols
+                .iter()
+                .map(|(n, t)| ColumnSchema {
+                    name: n.to_string(),
+                    ty: *t,
+                    nullable: true,
+                })
+                .collect(),
+            primary_key: vec![0],
+        }
+    }
+}
+
+pub(super) fn dead_letter_table() -> TableSchema {
+    use ColumnType::*;
+    SpannerStore::system_table(
+        "onceq_dead_letters",
+        &[
+            ("id", String),
+            ("queue", String),
+            ("payload", Bytes),
+            ("attributes", String),
+            ("attempts", Int64),
+            ("enqueued_at", Int64),
+            ("failed_at", Int64),
+            ("reason", String),
+            ("handler_version", String),
+            ("failures", Int64),
+        ],
+    )
+}
+
+pub(super) const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
+
+pub(super) fn dead_letter_from(row: Row) -> DeadLetter {
+    let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
+    let s = |i: usize| match get(i) {
+        Value::String(s) => s,
+        _ => std::string::String::new(),
+    };
+    let n = |i: usize| match get(i) {
+        Value::Int64(n) => n,
+        _ => 0,
+    };
+    let payload = match get(2) {
+        Value::Bytes(b) => b,
+        _ => vec![],
+    };
+    DeadLetter {
+        id: s(0),
+        queue: s(1),
+        payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes: attrs_from_json(&s(3)),
+        deliveries: u32::try_from(n(4)).unwrap_or(0),
+        failures: u32::try_from(n(9)).unwrap_or(0),
+        enqueued_at: n(5),
+        failed_at: n(6),
+        reason: s(7),
+        handler_version: match get(8) {
+            Value::String(v) => Some(v),
+            _ => None,
+        },
+    }
+}
+
+#[async_trait]
+impl Store for SpannerStore {
+    fn kind(&self) -> &'static str {
+        "spanner"
+    }
+
+    fn commit_group(&self) -> Option<&commit::Group> {
+        Some(self.group.as_ref())
+    }
+
+    fn schema(&self) -> Arc<Schema> {
+        self.schema.clone()
+    }
+
+    async fn message_send(&self, params: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
+        let (shards, window, schema) = (self.shards, self.options.dedup_window, self.schema.clone());
+        let params = Arc::new(params);
+        self.rw("a send", move |tx| {
+            let (params, schema) = (params.clone(), schema.clone());
+            async move {
+                let seen = read_ahead(&tx, &[], &params, false, None).await?;
+                let mut ex = SpannerExec::new(&schema, seen, false);
+                let mut out = Vec::with_capacity(params.len());
+                for p in params.iter() {
+                    // Claims and inserts are kept, never run here: no error.
+                    out.push(commit::send(&mut ex, p, window).await.map_err(carried)?);
+                }
+                ex.write_all(&tx, shards, None).await?;
+                Ok(out)
+            }
+        })
+        .await
+    }
+
+    /// On the emulator, take the turn first and collect the requests then
+    /// (as [`SpannerBatch::commit_collected`] does for commits).
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        self.lease_collected(queue, lease, collect).await
+    }
+
+    async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        self.lease(p).await
+    }
+
+    async fn message_lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
+        self.lease_renew(leases, duration).await
+    }
+
+    async fn message_release(&self, lease: &Lease) -> StoreResult<()> {
+        self.guarded_update(
+            "a release",
+            lease,
+            &format!("visible_at = {NOW} + @n, lease_token = NULL, attempt = GREATEST(attempt - 1, 0)"),
+            0,
+            None,
+        )
+        .await
+    }
+
+    async fn message_retry_later(&self, lease: &Lease, p: RetryParams) -> StoreResult<()> {
+        let failures = if p.failed { "failures = failures + 1, " } else { "" };
+        self.guarded_update(
+            "a retry later",
+            lease,
+            &format!("{failures}visible_at = {NOW} + @n, lease_token = NULL, last_error = @x"),
+            micros(p.delay),
+            Some(p.reason),
+        )
+        .await
+    }
+
+    async fn message_dead_letter(&self, lease: &Lease, p: DeadLetterParams) -> StoreResult<()> {
+        let (shard, id) = (lease.shard, lease.message_id.clone());
+        let clear = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
+            .add_param("id", id.clone())
+            .build();
+        let copy = Statement::builder(format!(
+            "INSERT INTO onceq_dead_letters (id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures)
+             SELECT id, queue, payload, attributes, attempt, enqueued_at, {NOW}, @r, @v, failures + @f FROM onceq_messages
+             WHERE shard = @s AND id = @id AND lease_token = @t"
+        ))
+        .add_param("f", i64::from(p.failed))
+        .add_param("s", shard)
+        .add_param("id", id.clone())
+        .add_param("t", lease.token.clone())
+        .add_typed_param("r", p.reason.clone(), google_cloud_spanner::types::string())
+        .add_typed_param("v", p.handler_version.clone(), google_cloud_spanner::types::string())
+        .build();
+        let delete =
+            Statement::builder("DELETE FROM onceq_messages WHERE shard = @s AND id = @id AND lease_token = @t ASSERT_ROWS_MODIFIED 1")
+                .add_param("s", shard)
+                .add_param("id", id)
+                .add_param("t", lease.token.clone())
+                .build();
+        self.rw("a dead letter", move |tx| {
+            let (clear, copy, delete) = (clear.clone(), copy.clone(), delete.clone());
+            async move {
+                tx.execute_update(clear).await?;
+                tx.execute_update(copy).await?;
+                tx.execute_update(delete).await
+            }
+        })
+        .await
+        .map(|_| ())
+        .map_err(|e| lease_error(e, lease))
+    }
+
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
+        self.group.hold().await.map(Some)
+    }
+
+    async fn close(&self) {
+        self.group.stop().await
+    }
+
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
+        let snapshot = SpannerSnapshot {
+            pool: self.pool.clone(),
+            ro: None,
+        };
+        Ok(Box::new(commit::Buffered::new(snapshot, self.group.clone())))
+    }
+
+    async fn stats(&self) -> StoreResult<Stats> {
+        self.pool.within("the stats queries", false, self.stats_now()).await
+    }
+
+    async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        let t = dead_letter_table();
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT {DEAD_COLUMNS} FROM onceq_dead_letters
+             WHERE {cond} ORDER BY failed_at DESC, id LIMIT @n"
+        ))
+        .add_param("q", q)
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self.query_rows(stmt, &t).await?.into_iter().map(dead_letter_from).collect())
+    }
+
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
+        let t = dead_letter_table();
+        let stmt = Statement::builder(format!("SELECT {DEAD_COLUMNS} FROM onceq_dead_letters WHERE id = @id"))
+            .add_param("id", id.to_string())
+            .build();
+        Ok(self.query_rows(stmt, &t).await?.into_iter().next().map(dead_letter_from))
+    }
+
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        let shard = shard_of(id, self.shards);
+        let copy = Statement::builder(format!(
+            "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
+             SELECT @s, id, queue, payload, attributes, 0, enqueued_at, {NOW}, 0 FROM onceq_dead_letters WHERE id = @id"
+        ))
+        .add_param("s", shard)
+        .add_param("id", id.to_string())
+        .build();
+        let delete = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
+            .add_param("id", id.to_string())
+            .build();
+        let id = id.to_string();
+        self.rw("a replay", move |tx| {
+            let (copy, delete, id) = (copy.clone(), delete.clone(), id.clone());
+            async move {
+                if tx.execute_update(copy).await? == 0 {
+                    return Ok(None);
+                }
+                tx.execute_update(delete).await?;
+                Ok(Some(id))
+            }
+        })
+        .await
+    }
+
+    async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE {cond} ORDER BY enqueued_at, id LIMIT @n"
+        ))
+        .add_param("q", q)
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        let rows = self.query_rows(stmt, &queued_table()).await?;
+        Ok(rows.into_iter().map(queued_from).collect())
+    }
+
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
+        let stmt = Statement::builder(format!("SELECT {QUEUED_COLUMNS} FROM onceq_messages WHERE shard = @s AND id = @id"))
+            .add_param("s", shard_of(id, self.shards))
+            .add_param("id", id.to_string())
+            .build();
+        let rows = self.query_rows(stmt, &queued_table()).await?;
+        Ok(rows.into_iter().next().map(queued_from))
+    }
+
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
+        let t = self.schema.table(table).map_err(StoreError::Permanent)?.clone();
+        self.query_rows(select_stmt(&t, &[], Some(usize::MAX >> 2)), &t).await
+    }
+
+    async fn dedup_purge(&self) -> StoreResult<u64> {
+        let n = self
+            .rw("the dedup purge", |tx| async move {
+                tx.execute_update(Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build())
+                    .await
+            })
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
+        use ColumnType::*;
+        let t = Self::system_table(
+            "onceq_dedup",
+            &[
+                ("queue", String),
+                ("dedup_key", String),
+                ("message_id", String),
+                ("expires_at", Int64),
+            ],
+        );
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT queue, dedup_key, message_id, expires_at FROM onceq_dedup
+             WHERE {cond} AND expires_at > {NOW} AND expires_at <= {NOW} + @w
+             ORDER BY expires_at DESC, queue, dedup_key LIMIT @n"
+        ))
+        .add_param("q", q)
+        .add_param("w", micros(within))
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self
+            .query_rows(stmt, &t)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
+                let text = |i: usize| match get(i) {
+                    Value::String(s) => s,
+                    _ => std::string::String::new(),
+                };
+                DedupKey {
+                    queue: text(0),
+                    key: text(1),
+                    message_id: text(2),
+                    expires_at: match get(3) {
+                        Value::Int64(n) => n,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect())
+    }
+}
+
+/// `(queue, count)` rows of a `SELECT queue, COUNT(*) ... GROUP BY queue`.
+pub(super) async fn counts_by_queue(c: &DatabaseClient, sql: String) -> StoreResult<Vec<(String, u64)>> {
+    let mut rs = c
+        .single_use()
+        .build()
+        .execute_query(Statement::builder(sql).build())
+        .await
+        .map_err(classify)?;
+    let mut out = Vec::new();
+    while let Some(r) = rs.next().await {
+        let r = r.map_err(classify)?;
+        out.push((
+            r.get::<String>(0).map_err(classify)?,
+            r.get::<i64>(1).map_err(classify)?.max(0) as u64,
+        ));
+    }
+    Ok(out)
+}
+
+/// A `WHERE` condition on `queue` for a selection, with `@q` bound to the
+/// returned text.
+pub(super) fn queue_condition(q: Queues<'_>) -> (&'static str, String) {
+    match q {
+        Queues::All => ("@q = ''", String::new()),
+        Queues::Named(name) => ("queue = @q", name.to_string()),
+        Queues::Prefix(p) => ("STARTS_WITH(queue, @q)", p.to_string()),
+    }
+}
+
+pub(super) const QUEUED_COLUMNS: &str = "id, queue, payload, attributes, attempt, enqueued_at, visible_at,
+    lease_token IS NOT NULL AND visible_at > UNIX_MICROS(CURRENT_TIMESTAMP()), last_error, failures";
+
+pub(super) fn queued_table() -> TableSchema {
+    use ColumnType::*;
+    SpannerStore::system_table(
+        "onceq_messages",
+        &[
+            ("id", String),
+            ("queue", String),
+            ("payload", Bytes),
+            ("attributes", String),
+            ("attempt", Int64),
+            ("enqueued_at", Int64),
+            ("visible_at", Int64),
+            ("leased", Bool),
+            ("last_error", String),
+            ("failures", Int64),
+        ],
+    )
+}
+
+pub(super) fn queued_from(row: Row) -> QueuedMessage {
+    let mut it = row.into_iter().map(|(_, v)| v);
+    let mut next = || it.next().unwrap_or(Value::Null);
+    let text = |v: Value| match v {
+        Value::String(s) => s,
+        _ => std::string::String::new(),
+    };
+    let int = |v: Value| match v {
+        Value::Int64(n) => n,
+        _ => 0,
+    };
+    let id = text(next());
+    let queue = text(next());
+    let payload = match next() {
+        Value::Bytes(b) => b,
+        _ => Vec::new(),
+    };
+    let attributes = attrs_from_json(&text(next()));
+    let deliveries = u32::try_from(int(next())).unwrap_or(u32::MAX);
+    let enqueued_at = int(next());
+    let visible_at = int(next());
+    let leased = matches!(next(), Value::Bool(true));
+    let last_error = match next() {
+        Value::String(s) => Some(s),
+        _ => None,
+    };
+    let failures = u32::try_from(int(next())).unwrap_or(u32::MAX);
+    QueuedMessage {
+        id,
+        queue,
+        payload_text: std::string::String::from_utf8_lossy(&payload).into_owned(),
+        payload,
+        attributes,
+        deliveries,
+        failures,
+        enqueued_at,
+        visible_at,
+        leased,
+        last_error,
+    }
+}
