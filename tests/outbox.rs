@@ -392,7 +392,7 @@ async fn a_worker_that_loses_its_lease_cannot_commit() {
     );
     let cut_off: Arc<dyn Store> = Arc::new(cut_off);
     let a = runner(&cut_off, "count", handler.clone(), grants(&["chaos_log"], &[], &[]), p.clone());
-    let (stop_a, rx_a) = tokio::sync::watch::channel(false);
+    let (stop_a, rx_a) = onceq::shutdown::channel();
     let run_a = tokio::spawn(a.clone().run(rx_a));
     wait_until("worker A to lease the message", Duration::from_secs(10), || {
         let c = calls.clone();
@@ -402,7 +402,7 @@ async fn a_worker_that_loses_its_lease_cannot_commit() {
     // Worker B, healthy, takes the message over once the lease expires.
     let b = runner(&db.store, "count", handler, grants(&["chaos_log"], &[], &[]), p);
     drain(&db.store, std::slice::from_ref(&b)).await;
-    stop_a.send(true).unwrap();
+    stop_a.request();
     run_a.await.unwrap();
 
     assert!(counts.renewals.load(Relaxed) >= 1, "A tried to renew");

@@ -14,7 +14,7 @@
 
 use async_trait::async_trait;
 use onceq::protocol::{
-    self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope,
+    EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, NativeHandler, Policy, QueueRunner, QueueSpec, ReadScope,
 };
 use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig, WasmHandler};
 use onceq::schema::{Schema, TableSchema, ValidWrite};
@@ -57,6 +57,9 @@ impl Transaction for MemTx {
     fn dedup_hold(&mut self, _q: &str, _k: &str, _w: std::time::Duration) {}
     fn message_ack(&mut self, _l: &Lease) {}
     async fn commit(self: Box<Self>) -> StoreResult<()> {
+        Ok(())
+    }
+    async fn commit_held(self: Box<Self>, _hold: onceq::store::commit::Hold) -> StoreResult<()> {
         Ok(())
     }
     async fn rollback(self: Box<Self>) {}
@@ -588,9 +591,11 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
         },
         store.clone(),
     ));
-    let (tx, _) = tokio::sync::watch::channel(false);
+    let (stop, _) = onceq::shutdown::channel();
     let t = Instant::now();
-    protocol::run_queues(store.clone(), vec![runner.clone()], Arc::new(tx), true).await;
+    onceq::host::Host::of(store.clone(), vec![runner.clone()])
+        .run(stop, true, Duration::from_secs(30))
+        .await;
     let secs = t.elapsed().as_secs_f64();
     let m = &runner.metrics;
     assert_eq!(

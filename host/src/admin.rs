@@ -286,11 +286,6 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .with_state(admin)
 }
 
-/// Resolves once `stop` turns true (or its sender is gone).
-async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
-}
-
 pub use crate::config::ServeLimits;
 
 /// Serve until `stop` turns true, then finish the requests under way.
@@ -300,12 +295,7 @@ pub use crate::config::ServeLimits;
 /// cannot take the host's descriptors (measured before: 1,100 idle
 /// connections with `RLIMIT_NOFILE` 1024 left the host unable to make an
 /// instance for any message).
-pub async fn serve(
-    admin: Arc<Admin>,
-    listener: tokio::net::TcpListener,
-    limits: ServeLimits,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener, limits: ServeLimits, mut stop: crate::shutdown::Shutdown) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     let router = router(admin);
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
@@ -319,7 +309,7 @@ pub async fn serve(
                 Ok(slot) => slot,
                 Err(_) => break,
             },
-            () = stopped(&mut stop) => break,
+            () = stop.requested() => break,
         };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -335,7 +325,7 @@ pub async fn serve(
                     continue;
                 }
             },
-            () = stopped(&mut stop) => break,
+            () = stop.requested() => break,
         };
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));

@@ -2,7 +2,6 @@
 //! prints; everything testable lives here.
 
 use crate::config::Config;
-use crate::outbox;
 use crate::protocol::{self, QueueRunner};
 use crate::runtime::{ComponentInfo, HandlerLimits, Runtime, RuntimeConfig};
 use crate::store::{self, SendOutcome, SendParams, Store};
@@ -11,7 +10,6 @@ use anyhow::{bail, Context};
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
-use tokio::sync::watch;
 
 /// `onceq init`: create the database with onceq's tables and the schema.
 pub async fn init(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
@@ -33,48 +31,18 @@ pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
     store::open(&cfg.store, &cfg.store_options).await
 }
 
-/// Load every queue's handler and build its runner, then one outbox runner
-/// per configured connector.
-pub fn build_runners(cfg: &Config, store: &Arc<dyn Store>, runtime: &Runtime) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
-    if cfg.queues.is_empty() && cfg.connectors.is_empty() {
-        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
-    }
-    runtime.check_capacity(cfg.queues.iter().map(|q| q.policy.workers).sum())?;
-    cfg.warn_unserved_targets();
-    let mut out = Vec::new();
-    for q in &cfg.queues {
-        out.push(q.runner(store, |q| Ok(Arc::new(runtime.load_file(&q.handler, q.limits)?)))?);
-    }
-    out.extend(build_outbox_runners(cfg, store)?);
-    Ok(out)
-}
-
-/// One runner per configured connector, working its outbox queue.
-pub fn build_outbox_runners(cfg: &Config, store: &Arc<dyn Store>) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
-    let mut out = Vec::new();
-    for (name, c) in &cfg.connectors {
-        let connector = c.build(name)?;
-        tracing::info!(connector = %name, kind = c.kind(), queue = %outbox::queue_of(name), "outbox dispatcher ready");
-        out.push(Arc::new(outbox::runner(store.clone(), name, connector, &cfg.outbox)));
-    }
-    Ok(out)
-}
-
 /// How often `onceq run` forgets expired dedup keys (producer keys past the
 /// window, delivered intents' keys past the retention).
 pub const PURGE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
-async fn purge_loop(store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
-    while !*stop.borrow() {
+async fn purge_loop(store: Arc<dyn Store>, mut shutdown: crate::shutdown::Shutdown) {
+    while !shutdown.is_requested() {
         match store.dedup_purge().await {
             Ok(0) => {}
             Ok(n) => tracing::debug!("forgot {n} expired dedup keys"),
             Err(e) => tracing::warn!("purging expired dedup keys failed (will retry): {e}"),
         }
-        tokio::select! {
-            () = tokio::time::sleep(crate::protocol::jittered(PURGE_EVERY)) => {}
-            _ = stop.wait_for(|s| *s) => {}
-        }
+        shutdown.sleep(crate::protocol::jittered(PURGE_EVERY)).await;
     }
 }
 
@@ -114,15 +82,16 @@ pub async fn shutdown_signal() {
 /// On shutdown, in-flight messages finish (leased, unstarted ones are
 /// released), then the admin server, the watcher and the purge loop stop
 /// and are awaited; all within `shutdown_grace`, past which the host
-/// returns anyway (leases of what it still held expire).
+/// returns anyway (leases of what it still held expire). The store's
+/// committer commits what it holds last.
 pub async fn run(
     cfg: &Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     until_empty: bool,
 ) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
     let mut background = tokio::task::JoinSet::new();
-    // Background tasks (admin API, watcher, purge) stop when this turns true.
-    let (stop, stop_rx) = watch::channel(false);
+    // Background tasks (admin API, watcher, purge) stop on this one.
+    let (stop_background, background_shutdown) = crate::shutdown::channel();
     let admin = Arc::new(crate::admin::Admin::new(cfg.admin.token.clone(), cfg.admin.max_upload));
     let addr_file = cfg.state_dir.join("admin.addr");
     if let Some(listen) = &cfg.admin.listen {
@@ -133,26 +102,38 @@ pub async fn run(
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
         tracing::info!(%addr, token = cfg.admin.token.is_some(), "admin API listening");
-        background.spawn(crate::admin::serve(admin.clone(), listener, cfg.admin.limits, stop_rx.clone()));
+        background.spawn(crate::admin::serve(
+            admin.clone(),
+            listener,
+            cfg.admin.limits,
+            background_shutdown.clone(),
+        ));
     }
-    let (tx, _rx) = watch::channel(false);
-    let tx = Arc::new(tx);
-    let signal_tx = tx.clone();
+    // The queues stop on this one: a signal, or no work left.
+    let (stop, queues_shutdown) = crate::shutdown::channel();
+    let signalled = stop.clone();
     // Not in `background`: it must not hold the host open once it is done.
     let requested = tokio::spawn(async move {
         shutdown.await;
         tracing::info!("shutdown requested: finishing in-flight messages, releasing the rest");
-        let _ = signal_tx.send(true);
+        signalled.request();
     });
-    let served = match open_store_patiently(cfg, &admin, tx.subscribe()).await {
-        Ok(Some(store)) => serve(cfg, store, &admin, &mut background, &stop_rx, tx, until_empty).await,
+    let served = match open_store_patiently(cfg, &admin, queues_shutdown).await {
+        Ok(Some(store)) => {
+            let served = serve(cfg, store.clone(), &admin, &mut background, &background_shutdown, stop, until_empty).await;
+            // What the committer holds is committed before the host goes.
+            if tokio::time::timeout(cfg.shutdown_grace, store.close()).await.is_err() {
+                tracing::warn!("the store's committer did not finish within the shutdown grace");
+            }
+            served
+        }
         Ok(None) => Ok(Vec::new()),
         Err(e) => Err(e),
     };
     requested.abort();
     // Drain the background tasks: the admin server finishes its requests,
     // the watcher and the purge loop their round.
-    let _ = stop.send(true);
+    stop_background.request();
     let drained = tokio::time::timeout(cfg.shutdown_grace, async { while background.join_next().await.is_some() {} }).await;
     if drained.is_err() {
         tracing::warn!("background tasks did not stop within the shutdown grace; aborting them");
@@ -165,11 +146,12 @@ pub async fn run(
 }
 
 /// Open the configured store, trying again with backoff (up to 30 s
-/// apart) while the error is transient, until `stop` turns true (`None`).
+/// apart) while the error is transient, until `shutdown` is requested
+/// (`None`).
 async fn open_store_patiently(
     cfg: &Config,
     admin: &crate::admin::Admin,
-    mut stop: watch::Receiver<bool>,
+    mut shutdown: crate::shutdown::Shutdown,
 ) -> anyhow::Result<Option<Arc<dyn Store>>> {
     let mut pause = std::time::Duration::from_millis(500);
     admin.starting(format!("opening the store {}", cfg.store));
@@ -184,9 +166,8 @@ async fn open_store_patiently(
                     crate::names::duration(pause)
                 );
                 admin.starting(format!("waiting for the store {}: {why}", cfg.store));
-                tokio::select! {
-                    () = tokio::time::sleep(crate::protocol::jittered(pause)) => {}
-                    _ = stop.wait_for(|s| *s) => return Ok(None),
+                if shutdown.sleep(crate::protocol::jittered(pause)).await {
+                    return Ok(None);
                 }
                 pause = (pause * 2).min(std::time::Duration::from_secs(30));
             }
@@ -210,55 +191,30 @@ async fn serve(
     store: Arc<dyn Store>,
     admin: &Arc<crate::admin::Admin>,
     background: &mut tokio::task::JoinSet<()>,
-    stop_rx: &watch::Receiver<bool>,
-    tx: Arc<watch::Sender<bool>>,
+    background_shutdown: &crate::shutdown::Shutdown,
+    stop: crate::shutdown::Stop,
     until_empty: bool,
 ) -> anyhow::Result<Vec<Arc<QueueRunner>>> {
     admin.starting("loading the handlers");
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
-    let (deployer, mut runners) = crate::deploy::Deployer::open(cfg, &store, runtime)?;
-    runners.extend(build_outbox_runners(cfg, &store)?);
-    if runners.is_empty() {
-        bail!("no [[queue]] and no [[connector]] configured: nothing to run");
-    }
+    let host = crate::host::Host::assemble(cfg, store.clone(), runtime)?;
+    let deployer = host
+        .deployer
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("an assembled host has a deployer"))?;
     admin.serve_with(crate::admin::Serving {
         store: store.clone(),
-        runners: runners.clone(),
+        runners: host.runners.clone(),
         deployer: deployer.clone(),
     });
     if let Some((dir, every)) = &cfg.watch {
-        background.spawn(deployer.clone().watch(dir.clone(), *every, stop_rx.clone()));
+        background.spawn(deployer.watch(dir.clone(), *every, background_shutdown.clone()));
     }
-    background.spawn(purge_loop(store.clone(), stop_rx.clone()));
-    tracing::info!(queues = runners.len(), store = %cfg.store, "serving");
+    background.spawn(purge_loop(store, background_shutdown.clone()));
+    tracing::info!(queues = host.runners.len(), store = %cfg.store, "serving");
     admin.set_ready();
-    let mut rx = tx.subscribe();
-    let serving = protocol::run_queues(store.clone(), runners.clone(), tx, until_empty);
-    // Workers finish their in-flight message after a shutdown request; the
-    // handler deadline bounds a call, but a store that stops answering
-    // would not: past the grace the host exits anyway, and the leases of
-    // what it held expire.
-    let grace = cfg.shutdown_grace;
-    let overdue = async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-        tokio::time::sleep(grace).await;
-    };
-    tokio::select! {
-        () = serving => {}
-        () = overdue => {
-            let in_flight: i64 = runners.iter().map(|r| r.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed)).sum();
-            tracing::warn!(
-                in_flight,
-                "shutdown grace of {} over (setting shutdown_grace): exiting with work in flight; its leases will expire and another host will process it",
-                crate::names::duration(grace)
-            );
-        }
-    }
-    // What the committer holds is committed before the host goes.
-    if tokio::time::timeout(grace, store.close()).await.is_err() {
-        tracing::warn!("the store's committer did not finish within the shutdown grace");
-    }
-    Ok(runners)
+    host.run(stop, until_empty, cfg.shutdown_grace).await;
+    Ok(host.runners)
 }
 
 /// A client of the running host's admin API, with the configured token.

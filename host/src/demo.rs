@@ -278,8 +278,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
-    let runtime = Runtime::new(cfg.runtime.clone())?;
-    let runners = app::build_runners(&cfg, &store, &runtime)?;
+    let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
+    let host = crate::host::Host::assemble(&cfg, store.clone(), runtime)?;
+    let runners = host.runners.clone();
 
     let (queues, dispatchers): (Vec<_>, Vec<_>) = runners.iter().cloned().partition(|r| outbox::connector_of(&r.spec.name).is_none());
     let bar = indicatif::ProgressBar::new(args.messages as u64);
@@ -287,14 +288,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} messages  {per_sec}  eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let (tx, _) = tokio::sync::watch::channel(false);
-    let tx = Arc::new(tx);
+    let (stop, _) = crate::shutdown::channel();
     let started = Instant::now();
-    let run = tokio::spawn(protocol::run_queues(store.clone(), runners.clone(), tx.clone(), true));
-    let signal_tx = tx.clone();
+    let run = tokio::spawn(host.run(stop.clone(), true, cfg.shutdown_grace));
     let signals = tokio::spawn(async move {
         app::shutdown_signal().await;
-        let _ = signal_tx.send(true);
+        stop.request();
     });
     while !run.is_finished() {
         bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
@@ -302,6 +301,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
     run.await?;
     signals.abort();
+    // What the committer holds is committed before the summary reads.
+    store.close().await;
     let elapsed = started.elapsed();
     bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
     bar.finish();

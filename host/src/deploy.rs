@@ -349,11 +349,11 @@ impl Deployer {
 
     /// Watch `dir` for `<queue>.wasm` files and deploy each new content
     /// (source "watch"). A refused file is logged once per content.
-    pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+    pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration, mut stop: crate::shutdown::Shutdown) {
         let mut seen: BTreeMap<String, (u64, Option<std::time::SystemTime>)> = BTreeMap::new();
         let mut refused: BTreeMap<String, String> = BTreeMap::new();
         tracing::info!(dir = %dir.display(), "watching for handler files (<queue>.wasm)");
-        while !*stop.borrow() {
+        while !stop.is_requested() {
             for queue in self.queues() {
                 let path = dir.join(format!("{queue}.wasm"));
                 let Ok(meta) = std::fs::metadata(&path) else { continue };
@@ -380,10 +380,7 @@ impl Deployer {
                     Err(e) => tracing::warn!(queue = %queue, file = %path.display(), "deploying the watched handler failed: {e}"),
                 }
             }
-            tokio::select! {
-                () = tokio::time::sleep(every) => {}
-                _ = stop.wait_for(|s| *s) => {}
-            }
+            stop.sleep(every).await;
         }
     }
 }

@@ -3,7 +3,7 @@
 //! components, runners, and waiting on conditions (never on fixed sleeps).
 #![allow(dead_code)]
 
-use onceq::protocol::{self, EffectLimits, Grants, Handler, Policy, QueueRunner, QueueSpec};
+use onceq::protocol::{EffectLimits, Grants, Handler, Policy, QueueRunner, QueueSpec};
 use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig, WasmHandler};
 use onceq::store::sqlite::SqliteStore;
 use onceq::store::{SendParams, Store, StoreOptions};
@@ -220,8 +220,8 @@ pub async fn drain(store: &Arc<dyn Store>, runners: &[Arc<QueueRunner>]) {
 
 /// Run the runners until their queues are drained, failing after `limit`.
 pub async fn drain_within(store: &Arc<dyn Store>, runners: &[Arc<QueueRunner>], limit: Duration) {
-    let (tx, _) = tokio::sync::watch::channel(false);
-    let run = protocol::run_queues(store.clone(), runners.to_vec(), Arc::new(tx), true);
+    let (stop, _) = onceq::shutdown::channel();
+    let run = onceq::host::Host::of(store.clone(), runners.to_vec()).run(stop, true, limit);
     let started = Instant::now();
     tokio::time::timeout(limit, run)
         .await

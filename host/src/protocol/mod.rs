@@ -73,12 +73,12 @@ pub use handler::{HandleOutput, Handler, HandlerFailure, HostTrouble, NativeHand
 pub use metrics::{Metrics, VersionCounts};
 pub use retry::{jittered, Next, Rerun};
 
+pub use crate::shutdown::{Shutdown, Stop};
 use crate::store::{Store, StoreError};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
 
 /// How a queue is worked.
 #[derive(Debug, Clone)]
@@ -216,11 +216,8 @@ impl QueueRunner {
     }
 }
 
-async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, d: Duration) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = shutdown.changed() => {}
-    }
+async fn sleep_or_shutdown(shutdown: &mut Shutdown, d: Duration) {
+    shutdown.sleep(d).await;
 }
 
 /// How far ahead `--until-empty` looks for delayed messages: a retry due
@@ -237,17 +234,13 @@ pub const UNTIL_EMPTY_POLL: Duration = Duration::from_millis(500);
 /// [`UNTIL_EMPTY_POLL`].
 pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
 
-/// Run several queues until `shutdown` turns true (the caller sends it, on a
-/// signal say). With `until_empty`, also send it once no queue has a ready
-/// or leased message, nor a delayed one due within [`UNTIL_EMPTY_HORIZON`].
-pub fn run_queues(
-    store: Arc<dyn Store>,
-    runners: Vec<Arc<QueueRunner>>,
-    shutdown: Arc<watch::Sender<bool>>,
-    until_empty: bool,
-) -> crate::BoxFuture<'static, ()> {
+/// Run several queues until `stop` is requested (by the caller, on a
+/// signal say). With `until_empty`, also request it once no queue has a
+/// ready or leased message, nor a delayed one due within
+/// [`UNTIL_EMPTY_HORIZON`].
+pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: Stop, until_empty: bool) -> crate::BoxFuture<'static, ()> {
     Box::pin(async move {
-        let rx = shutdown.subscribe();
+        let rx = stop.subscribe();
         let mut tasks = tokio::task::JoinSet::new();
         for r in &runners {
             let r = r.clone();
@@ -273,7 +266,7 @@ pub fn run_queues(
             tasks.spawn(async move {
                 let _forwarders = forwarders; // stop with the watcher
                 let mut gap = UNTIL_EMPTY_MIN_GAP;
-                while !*rx.borrow() {
+                while !rx.is_requested() {
                     // The store is asked only once every queue came up empty
                     // here: the counts read the whole queue table, which a busy
                     // Spanner emulator feels (measured: checks on every idle
@@ -289,7 +282,7 @@ pub fn run_queues(
                             .filter(|q| names.contains(&q.queue))
                             .any(|q| q.ready + q.leased > 0 || q.next_due_ms.is_some_and(|ms| ms <= horizon));
                         if !busy {
-                            let _ = shutdown.send(true);
+                            stop.request();
                             return;
                         }
                     }

@@ -95,7 +95,7 @@ mod tests {
         // batch, then takes 10 s itself.
         let batch = leased(&store, 2, lease).await;
         let r = runner(&store, slow_writer(Duration::from_secs(10)), lease);
-        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let rx = crate::shutdown::Shutdown::never();
         let started = tokio::time::Instant::now();
         r.process_batch(&batch, started, &rx).await;
         assert_eq!(r.metrics.processed.load(Relaxed), 2, "both committed");
@@ -123,7 +123,7 @@ mod tests {
         let lease = Duration::from_secs(9);
         let batch = leased(&store, 1, lease).await;
         let r = runner(&store, slow_writer(Duration::from_secs(60)), lease);
-        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let rx = crate::shutdown::Shutdown::never();
         let started = tokio::time::Instant::now();
         r.process_batch(&batch, started, &rx).await;
         assert_eq!(r.metrics.cancelled.load(Relaxed), 1, "the work was cancelled");
@@ -147,7 +147,7 @@ mod tests {
         let lease = Duration::from_secs(3);
         let batch = leased(&store, 1, lease).await;
         let r = runner(&store, slow_writer(Duration::from_secs(60)), lease);
-        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let rx = crate::shutdown::Shutdown::never();
         let started = tokio::time::Instant::now();
         r.process_batch(&batch, started, &rx).await;
         assert_eq!(r.metrics.cancelled.load(Relaxed), 1, "the work was cancelled");

@@ -23,7 +23,7 @@
 //! host's polls (4 payments workers, 1 outbox worker) cost the emulator
 //! about 30% of a core, three idle hosts 83%.
 
-use super::{jittered, sleep_or_shutdown, QueueRunner};
+use super::{jittered, sleep_or_shutdown, QueueRunner, Shutdown};
 use crate::store::LeasedMessage;
 use std::future::Future;
 use std::pin::Pin;
@@ -42,7 +42,7 @@ pub(super) const IDLE_BACKOFF_MIN: Duration = Duration::from_millis(2);
 impl QueueRunner {
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
     /// finish, leased-but-unstarted ones are released.
-    pub fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) -> crate::BoxFuture<'static, ()> {
+    pub fn run(self: Arc<Self>, shutdown: Shutdown) -> crate::BoxFuture<'static, ()> {
         Box::pin(async move {
             let mut tasks = tokio::task::JoinSet::new();
             for w in 0..self.spec.policy.workers.max(1) {
@@ -58,13 +58,13 @@ impl QueueRunner {
         })
     }
 
-    pub(super) async fn worker(&self, n: usize, mut shutdown: watch::Receiver<bool>) {
+    pub(super) async fn worker(&self, n: usize, mut shutdown: Shutdown) {
         let p = &self.spec.policy;
         let mut pace = Pace::default();
         let mut found_empty = false;
         debug!(queue = %self.spec.name, worker = n, "worker started");
         loop {
-            if *shutdown.borrow() {
+            if shutdown.is_requested() {
                 break;
             }
             // After an empty lease, poll again only through the gate: one
@@ -73,11 +73,11 @@ impl QueueRunner {
             if found_empty {
                 let backoff = tokio::select! {
                     g = self.poll_gate.lock() => g,
-                    _ = shutdown.wait_for(|stop| *stop) => break,
+                    () = shutdown.requested() => break,
                 };
                 sleep_or_shutdown(&mut shutdown, jittered(*backoff)).await;
                 gate = Some(backoff);
-                if *shutdown.borrow() {
+                if shutdown.is_requested() {
                     break;
                 }
             }
@@ -136,7 +136,7 @@ impl QueueRunner {
     ///
     /// Returns how many of the batch's messages lost their lease before
     /// their outcome (skipped, or cancelled while their handler ran).
-    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &watch::Receiver<bool>) -> usize {
+    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &Shutdown) -> usize {
         let turn = Arc::new(Semaphore::new(1));
         let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
         let (rounds, _) = watch::channel(0u64);
@@ -180,12 +180,12 @@ impl QueueRunner {
         slot: &Slot,
         before: Option<&Slot>,
         rounds: &watch::Sender<u64>,
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
     ) {
         if let Some(before) = before {
             let _ = before.moved_on.subscribe().wait_for(|moved| *moved).await;
         }
-        if *shutdown.borrow() {
+        if shutdown.is_requested() {
             self.release(lm).await;
         } else if slot.lost.load(Ordering::Relaxed) {
             self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
@@ -374,7 +374,7 @@ mod tests {
             poll_max: Duration::from_millis(200),
             ..Policy::default()
         };
-        let (tx, rx) = tokio::sync::watch::channel(false);
+        let (tx, rx) = crate::shutdown::channel();
         let running = tokio::spawn(r.clone().run(rx));
         tokio::time::sleep(Duration::from_secs(20)).await;
         // Four workers polling on their own would lease about 4 x 20 s /
@@ -392,7 +392,7 @@ mod tests {
         }
         assert!(sent.elapsed() < Duration::from_secs(4), "8 messages took {:?}", sent.elapsed());
         assert_eq!(rows(&base).await, 8);
-        tx.send(true).unwrap();
+        tx.request();
         running.await.unwrap();
     }
 
@@ -425,7 +425,7 @@ mod tests {
             }
         }));
         let r = runner(&store, handler, lease);
-        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let rx = crate::shutdown::Shutdown::never();
         let started = tokio::time::Instant::now();
         r.process_batch(&batch, started, &rx).await;
         assert_eq!(r.metrics.processed.load(Relaxed), 4);
