@@ -180,7 +180,7 @@ async fn counter_increments_exactly_once_per_message_under_unknown_outcomes() {
             Err(e) => {
                 return HandleOutput {
                     scope,
-                    result: Err(HandlerFailure::Crash(e)),
+                    result: Err(HandlerFailure::Crash(e.to_string())),
                 }
             }
         };

@@ -123,7 +123,7 @@ fn native_payments() -> NativeHandler {
             Err(e) => {
                 return HandleOutput {
                     scope,
-                    result: Err(HandlerFailure::Crash(e)),
+                    result: Err(HandlerFailure::Crash(e.to_string())),
                 }
             }
         };

@@ -280,7 +280,7 @@ pub async fn send_many(store: &dyn Store, msgs: Vec<SendParams>, chunk: usize) -
 }
 
 /// `onceq check COMPONENT`.
-pub fn check(path: &Path, progress: &dyn Fn(&str)) -> anyhow::Result<(ComponentInfo, Result<(), String>)> {
+pub fn check(path: &Path, progress: &dyn Fn(&str)) -> anyhow::Result<(ComponentInfo, Result<(), crate::runtime::DeployError>)> {
     crate::runtime::announce_large(path, progress);
     let runtime = Runtime::new(RuntimeConfig {
         max_instances: 4,
@@ -288,10 +288,7 @@ pub fn check(path: &Path, progress: &dyn Fn(&str)) -> anyhow::Result<(ComponentI
     })?;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let (_, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let verdict = runtime
-        .load(&bytes, HandlerLimits::default())
-        .map(|_| ())
-        .map_err(|e| e.to_string());
+    let verdict = runtime.load(&bytes, HandlerLimits::default()).map(|_| ());
     Ok((info, verdict))
 }
 

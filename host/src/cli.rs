@@ -530,13 +530,8 @@ async fn send(
         anyhow::bail!("--attribute {k}: names starting with \"onceq.\" are set by onceq itself");
     }
     if let Some(k) = &dedup_key {
-        if k.len() > crate::names::MAX_KEY_LEN {
-            anyhow::bail!(
-                "--dedup-key is {} bytes long, over the limit of {}",
-                k.len(),
-                crate::names::MAX_KEY_LEN
-            );
-        }
+        // One key rule for every kind of key (intents, follow-ups, sends).
+        crate::names::check_key("--dedup-key", k)?;
     }
     if cfg.queue(&queue).is_err() {
         eprintln!(

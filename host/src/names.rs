@@ -99,21 +99,35 @@ pub fn check_connector(name: &str) -> Result<(), NameError> {
     check_chars("connector", name)
 }
 
+/// Why a key (an idempotency key, a dedup key) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("{what} is empty")]
+    Empty { what: String },
+    #[error("{what} is {len} bytes long, over the limit of {MAX_KEY_LEN}")]
+    TooLong { what: String, len: usize },
+    #[error("{what} {shown} must be visible ASCII (letters, digits, punctuation; no control characters, no leading or trailing space)")]
+    NotVisible { what: String, shown: String },
+}
+
 /// An idempotency key travels as an HTTP header value and is shown in
 /// terminals: visible ASCII (and spaces inside), at most [`MAX_KEY_LEN`]
 /// bytes.
-pub fn check_key(what: &str, key: &str) -> Result<(), String> {
+pub fn check_key(what: &str, key: &str) -> Result<(), KeyError> {
     if key.is_empty() {
-        return Err(format!("{what} is empty"));
+        return Err(KeyError::Empty { what: what.to_string() });
     }
     if key.len() > MAX_KEY_LEN {
-        return Err(format!("{what} is {} bytes long, over the limit of {MAX_KEY_LEN}", key.len()));
+        return Err(KeyError::TooLong {
+            what: what.to_string(),
+            len: key.len(),
+        });
     }
     if key.starts_with(' ') || key.ends_with(' ') || !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
-        return Err(format!(
-            "{what} {} must be visible ASCII (letters, digits, punctuation; no control characters, no leading or trailing space)",
-            quoted(key, 40)
-        ));
+        return Err(KeyError::NotVisible {
+            what: what.to_string(),
+            shown: quoted(key, 40),
+        });
     }
     Ok(())
 }

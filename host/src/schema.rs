@@ -64,6 +64,51 @@ pub struct TableSchema {
     pub primary_key: Vec<usize>,
 }
 
+/// Why a read's key or a write does not fit the schema, naming the table
+/// and the column.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchemaError {
+    #[error("unknown table {table}{hint}")]
+    UnknownTable { table: String, hint: String },
+    #[error("table {table} has no column {column}{hint}")]
+    UnknownColumn { table: String, column: String, hint: String },
+    #[error("table {table}: column {column} given twice")]
+    ColumnTwice { table: String, column: String },
+    #[error("table {table}: column {column} is NOT NULL, got null")]
+    NullInNotNull { table: String, column: String },
+    #[error("table {table}: column {column} is {expected}, got {got}")]
+    WrongType {
+        table: String,
+        column: String,
+        expected: &'static str,
+        got: &'static str,
+    },
+    #[error("table {table}: column {column}: NaN cannot be stored (use null for \"no value\")")]
+    NaN { table: String, column: String },
+    #[error("table {table}: column {column}: invalid JSON: {error}")]
+    InvalidJson { table: String, column: String, error: String },
+    #[error("table {table}: {op} needs primary-key column {column}")]
+    MissingKey { table: String, op: String, column: String },
+    #[error("table {table}: delete takes only the primary-key columns")]
+    DeleteTakesKeyOnly { table: String },
+    #[error("table {table}: insert needs NOT NULL column {column}")]
+    InsertNeedsColumn { table: String, column: String },
+    #[error("table {table}: primary key has {columns} column(s) ({names}), got {got} value(s)")]
+    KeyArity {
+        table: String,
+        columns: usize,
+        names: String,
+        got: usize,
+    },
+    #[error("table {table}: key column {column} is {expected}, got {got}")]
+    KeyType {
+        table: String,
+        column: String,
+        expected: &'static str,
+        got: &'static str,
+    },
+}
+
 impl TableSchema {
     pub fn column(&self, name: &str) -> Option<(usize, &ColumnSchema)> {
         self.columns.iter().enumerate().find(|(_, c)| c.name == name)
@@ -74,25 +119,24 @@ impl TableSchema {
     }
 
     /// Check a key (or key prefix) for a read: arity and types.
-    pub fn check_key(&self, key: &[Value], prefix: bool) -> Result<(), String> {
+    pub fn check_key(&self, key: &[Value], prefix: bool) -> Result<(), SchemaError> {
         let n = self.primary_key.len();
         if key.len() > n || (!prefix && key.len() != n) {
-            return Err(format!(
-                "table {}: primary key has {n} column(s) ({}), got {} value(s)",
-                self.name,
-                self.key_columns().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", "),
-                key.len()
-            ));
+            return Err(SchemaError::KeyArity {
+                table: self.name.clone(),
+                columns: n,
+                names: self.key_columns().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", "),
+                got: key.len(),
+            });
         }
         for (col, v) in self.key_columns().zip(key) {
             if !col.ty.accepts(v) {
-                return Err(format!(
-                    "table {}: key column {} is {}, got {}",
-                    self.name,
-                    col.name,
-                    col.ty.name(),
-                    v.type_name()
-                ));
+                return Err(SchemaError::KeyType {
+                    table: self.name.clone(),
+                    column: col.name.clone(),
+                    expected: col.ty.name(),
+                    got: v.type_name(),
+                });
             }
         }
         Ok(())
@@ -100,55 +144,79 @@ impl TableSchema {
 
     /// Check a write against the table: known columns, types, NULLs, keys.
     /// Returns the write with its columns in table order.
-    pub fn check_write(&self, w: &RowWrite) -> Result<ValidWrite, String> {
-        let t = &self.name;
+    pub fn check_write(&self, w: &RowWrite) -> Result<ValidWrite, SchemaError> {
+        let table = || self.name.clone();
         let mut values: Vec<Option<Value>> = vec![None; self.columns.len()];
         for (name, v) in &w.columns {
+            let column = || name.clone();
             let Some((i, col)) = self.column(name) else {
-                return Err(format!(
-                    "table {t} has no column {name}{}",
-                    crate::names::did_you_mean(name, self.columns.iter().map(|c| c.name.as_str()))
-                ));
+                return Err(SchemaError::UnknownColumn {
+                    table: table(),
+                    column: column(),
+                    hint: crate::names::did_you_mean(name, self.columns.iter().map(|c| c.name.as_str())),
+                });
             };
             if values[i].is_some() {
-                return Err(format!("table {t}: column {name} given twice"));
+                return Err(SchemaError::ColumnTwice {
+                    table: table(),
+                    column: column(),
+                });
             }
             if matches!(v, Value::Null) {
                 if !col.nullable {
-                    return Err(format!("table {t}: column {name} is NOT NULL, got null"));
+                    return Err(SchemaError::NullInNotNull {
+                        table: table(),
+                        column: column(),
+                    });
                 }
             } else if !col.ty.accepts(v) {
-                return Err(format!("table {t}: column {name} is {}, got {}", col.ty.name(), v.type_name()));
+                return Err(SchemaError::WrongType {
+                    table: table(),
+                    column: column(),
+                    expected: col.ty.name(),
+                    got: v.type_name(),
+                });
             }
             if let Value::Float64(f) = v {
                 if f.is_nan() {
                     // SQLite would store NULL (even in a NOT NULL column's
                     // place), Spanner NaN: refused, so both stores agree.
-                    return Err(format!(
-                        "table {t}: column {name}: NaN cannot be stored (use null for \"no value\")"
-                    ));
+                    return Err(SchemaError::NaN {
+                        table: table(),
+                        column: column(),
+                    });
                 }
             }
             if let Value::Json(text) = v {
                 if let Err(e) = serde_json::from_str::<serde_json::Value>(text) {
-                    return Err(format!("table {t}: column {name}: invalid JSON: {e}"));
+                    return Err(SchemaError::InvalidJson {
+                        table: table(),
+                        column: column(),
+                        error: e.to_string(),
+                    });
                 }
             }
             values[i] = Some(v.clone());
         }
         for &k in &self.primary_key {
             if values[k].is_none() {
-                let name = self.columns.get(k).map_or("?", |c| c.name.as_str());
-                return Err(format!("table {t}: {:?} needs primary-key column {name}", w.op));
+                return Err(SchemaError::MissingKey {
+                    table: table(),
+                    op: format!("{:?}", w.op),
+                    column: self.columns.get(k).map_or_else(|| "?".to_string(), |c| c.name.clone()),
+                });
             }
         }
         if w.op == WriteOp::Delete && w.columns.len() != self.primary_key.len() {
-            return Err(format!("table {t}: delete takes only the primary-key columns"));
+            return Err(SchemaError::DeleteTakesKeyOnly { table: table() });
         }
         if w.op == WriteOp::Insert {
             for (i, c) in self.columns.iter().enumerate() {
                 if values[i].is_none() && !c.nullable {
-                    return Err(format!("table {t}: insert needs NOT NULL column {}", c.name));
+                    return Err(SchemaError::InsertNeedsColumn {
+                        table: table(),
+                        column: c.name.clone(),
+                    });
                 }
             }
         }
@@ -176,12 +244,10 @@ pub struct Schema {
 }
 
 impl Schema {
-    pub fn table(&self, name: &str) -> Result<&TableSchema, String> {
-        self.tables.get(name).ok_or_else(|| {
-            format!(
-                "unknown table {name}{}",
-                crate::names::did_you_mean(name, self.tables.keys().map(String::as_str))
-            )
+    pub fn table(&self, name: &str) -> Result<&TableSchema, SchemaError> {
+        self.tables.get(name).ok_or_else(|| SchemaError::UnknownTable {
+            table: name.to_string(),
+            hint: crate::names::did_you_mean(name, self.tables.keys().map(String::as_str)),
         })
     }
 }
@@ -305,7 +371,7 @@ mod tests {
             .check_write(&write(WriteOp::Insert, &[id.clone(), ("balance", Value::Int64(1))]))
             .unwrap();
         assert_eq!(ok.values[2], None);
-        let err = |w: RowWrite| t.check_write(&w).unwrap_err();
+        let err = |w: RowWrite| t.check_write(&w).unwrap_err().to_string();
         assert_eq!(
             err(write(WriteOp::Insert, &[id.clone(), ("nope", Value::Int64(1))])),
             "table accounts has no column nope"
@@ -334,6 +400,7 @@ mod tests {
         assert!(t
             .check_key(&[Value::Int64(1)], false)
             .unwrap_err()
+            .to_string()
             .contains("key column id is string, got int64"));
         assert!(t.check_key(&[], true).is_ok());
     }

@@ -47,6 +47,16 @@ pub use crate::names::{
 };
 pub use crate::protocol::effects::{intent_message, HOLD_UNTIL_DELIVERED};
 
+/// Why an outbox message is not an intent (onceq wrote it: this is a bug
+/// or a database changed behind onceq's back).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IntentError {
+    #[error("queue {0} is not an outbox queue")]
+    NotAnOutboxQueue(String),
+    #[error("outbox message {id} has no {KEY_ATTRIBUTE} attribute")]
+    NoKey { id: String },
+}
+
 /// An intent as a connector sees it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Intent {
@@ -68,16 +78,22 @@ pub struct Intent {
 
 impl Intent {
     /// Read an outbox message back as an intent.
-    pub fn from_message(msg: &Message) -> Result<Intent, String> {
+    pub fn from_message(msg: &Message) -> Result<Intent, IntentError> {
         let connector = connector_of(&msg.queue)
-            .ok_or_else(|| format!("queue {} is not an outbox queue", msg.queue))?
+            .ok_or_else(|| IntentError::NotAnOutboxQueue(msg.queue.clone()))?
             .to_string();
         Self::from_parts(connector, &msg.id, msg.attempt, &msg.attributes, &msg.payload)
     }
 
-    fn from_parts(connector: String, id: &str, attempt: u32, attributes: &[(String, String)], payload: &[u8]) -> Result<Intent, String> {
+    fn from_parts(
+        connector: String,
+        id: &str,
+        attempt: u32,
+        attributes: &[(String, String)],
+        payload: &[u8],
+    ) -> Result<Intent, IntentError> {
         let get = |name: &str| attributes.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-        let idempotency_key = get(KEY_ATTRIBUTE).ok_or_else(|| format!("outbox message {id} has no {KEY_ATTRIBUTE} attribute"))?;
+        let idempotency_key = get(KEY_ATTRIBUTE).ok_or_else(|| IntentError::NoKey { id: id.to_string() })?;
         Ok(Intent {
             connector,
             idempotency_key,
@@ -159,7 +175,7 @@ impl Handler for Dispatcher {
             Err(e) => {
                 return HandleOutput {
                     scope,
-                    result: Err(HandlerFailure::Reject(e)),
+                    result: Err(HandlerFailure::Reject(e.to_string())),
                 }
             }
         };

@@ -111,7 +111,7 @@ pub enum EffectProblem {
     /// Unknown table or column, wrong type, missing key, NaN... (the
     /// schema's own words, naming table and column).
     #[error("{0}")]
-    Schema(String),
+    Schema(crate::schema::SchemaError),
     #[error("enqueue on queue {target} is not granted to queue {queue}")]
     QueueNotGranted { target: String, queue: String },
     #[error("{0} (emit an intent to reach a connector)")]
@@ -120,12 +120,13 @@ pub enum EffectProblem {
     Reserved { what: &'static str, name: String },
     #[error("follow-up delay of {} is over the limit of {} (setting max_delay)", crate::names::duration(*.delay), crate::names::duration(*.limit))]
     Delay { delay: Duration, limit: Duration },
-    #[error("dedup key is {len} bytes long, over the limit of {}", crate::names::MAX_KEY_LEN)]
-    DedupKey { len: usize },
+    /// A follow-up's dedup key breaks the one key rule of every key.
+    #[error("{0}")]
+    DedupKey(crate::names::KeyError),
     #[error("intent for connector {connector} is not granted to queue {queue}")]
     ConnectorNotGranted { connector: String, queue: String },
     #[error("intent for connector {connector}: {reason}")]
-    Key { connector: String, reason: String },
+    Key { connector: String, reason: crate::names::KeyError },
     #[error("metadata {} {reason}", crate::names::quoted(.name, 40))]
     Metadata { name: String, reason: &'static str },
 }
@@ -249,11 +250,10 @@ impl Context<'_> {
     fn write(&self, w: &crate::value::RowWrite) -> Result<ValidWrite, EffectProblem> {
         if !self.grants.tables.contains(&w.table) {
             if !self.schema.tables.contains_key(&w.table) {
-                return Err(EffectProblem::Schema(format!(
-                    "unknown table {}{}",
-                    w.table,
-                    crate::names::did_you_mean(&w.table, self.grants.tables.iter().map(String::as_str))
-                )));
+                return Err(EffectProblem::Schema(crate::schema::SchemaError::UnknownTable {
+                    table: w.table.clone(),
+                    hint: crate::names::did_you_mean(&w.table, self.grants.tables.iter().map(String::as_str)),
+                }));
             }
             return Err(EffectProblem::TableNotGranted {
                 table: w.table.clone(),
@@ -281,9 +281,7 @@ impl Context<'_> {
             });
         }
         if let Some(key) = &f.dedup_key {
-            if key.len() > crate::names::MAX_KEY_LEN {
-                return Err(EffectProblem::DedupKey { len: key.len() });
-            }
+            crate::names::check_key("dedup key", key).map_err(EffectProblem::DedupKey)?;
         }
         Ok(SendParams {
             queue: f.queue,

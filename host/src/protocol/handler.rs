@@ -177,6 +177,18 @@ impl ReadError {
     }
 }
 
+/// Why a read through the [`ReadScope`] failed: refused by the scope
+/// (grants, schema, limits), or failed by the store. The guest gets its
+/// text (the WIT's `string`); the protocol decides on the failure the
+/// scope recorded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScopeError {
+    #[error("{0}")]
+    Refused(ReadError),
+    #[error("{0}")]
+    Store(StoreError),
+}
+
 /// What a handler call returns: the read scope (handed back so the protocol
 /// can commit its transaction) and the effects or the failure.
 pub struct HandleOutput {
@@ -243,7 +255,7 @@ impl ReadScope {
     }
 
     /// Count a read against `max_reads`.
-    fn count_read(&mut self) -> Result<(), String> {
+    fn count_read(&mut self) -> Result<(), ScopeError> {
         if self.reads >= self.max_reads {
             return Err(self.refuse(ReadError::TooManyReads { limit: self.max_reads }));
         }
@@ -252,7 +264,7 @@ impl ReadScope {
     }
 
     /// Count returned rows against `max_read_bytes`.
-    fn count_bytes<'r>(&mut self, rows: impl IntoIterator<Item = &'r Row>) -> Result<(), String> {
+    fn count_bytes<'r>(&mut self, rows: impl IntoIterator<Item = &'r Row>) -> Result<(), ScopeError> {
         let n: usize = rows
             .into_iter()
             .map(|r| {
@@ -279,14 +291,13 @@ impl ReadScope {
         &mut *self.tx
     }
 
-    /// Record the first refusal; the guest gets its text (the edge).
-    fn refuse(&mut self, e: ReadError) -> String {
-        let text = e.to_string();
-        self.violation.get_or_insert(e);
-        text
+    /// Record the first refusal; the guest gets it back.
+    fn refuse(&mut self, e: ReadError) -> ScopeError {
+        self.violation.get_or_insert(e.clone());
+        ScopeError::Refused(e)
     }
 
-    fn check(&mut self, table: &str, key: &[Value], prefix: bool) -> Result<crate::schema::TableSchema, String> {
+    fn check(&mut self, table: &str, key: &[Value], prefix: bool) -> Result<crate::schema::TableSchema, ScopeError> {
         if !self.tables.contains(table) {
             // A table that does not exist is a typo, not a missing grant:
             // say so, suggesting among the tables this queue may read.
@@ -305,24 +316,24 @@ impl ReadScope {
         let schema = self.schema.clone();
         let t = match schema.table(table) {
             Ok(t) => t,
-            Err(message) => {
+            Err(e) => {
                 return Err(self.refuse(ReadError::UnknownTable {
                     table: table.to_string(),
-                    message,
+                    message: e.to_string(),
                 }))
             }
         };
-        if let Err(message) = t.check_key(key, prefix) {
+        if let Err(e) = t.check_key(key, prefix) {
             return Err(self.refuse(ReadError::BadKey {
                 table: table.to_string(),
-                message,
+                message: e.to_string(),
             }));
         }
         Ok(t.clone())
     }
 
     /// Point read by primary key.
-    pub async fn get(&mut self, table: &str, key: &[Value]) -> Result<Option<Row>, String> {
+    pub async fn get(&mut self, table: &str, key: &[Value]) -> Result<Option<Row>, ScopeError> {
         let t = self.check(table, key, false)?;
         self.count_read()?;
         self.reading = true;
@@ -334,16 +345,15 @@ impl ReadScope {
                 Ok(r)
             }
             Err(e) => {
-                let msg = e.to_string();
-                self.store_error.get_or_insert(e);
-                Err(msg)
+                self.store_error.get_or_insert(e.clone());
+                Err(ScopeError::Store(e))
             }
         }
     }
 
     /// Prefix scan, at most `limit` rows (the store caps it at
     /// [`crate::store::MAX_SCAN_ROWS`]).
-    pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, String> {
+    pub async fn scan(&mut self, table: &str, prefix: &[Value], limit: u32) -> Result<Vec<Row>, ScopeError> {
         let t = self.check(table, prefix, true)?;
         self.count_read()?;
         self.reading = true;
@@ -355,9 +365,8 @@ impl ReadScope {
                 Ok(r)
             }
             Err(e) => {
-                let msg = e.to_string();
-                self.store_error.get_or_insert(e);
-                Err(msg)
+                self.store_error.get_or_insert(e.clone());
+                Err(ScopeError::Store(e))
             }
         }
     }

@@ -69,7 +69,7 @@ pub mod retry;
 mod worker;
 
 pub use effects::{EffectError, EffectLimits, Grants};
-pub use handler::{HandleOutput, Handler, HandlerFailure, HostTrouble, NativeHandler, ReadError, ReadScope};
+pub use handler::{HandleOutput, Handler, HandlerFailure, HostTrouble, NativeHandler, ReadError, ReadScope, ScopeError};
 pub use metrics::{Metrics, VersionCounts};
 pub use retry::{jittered, Next, Rerun};
 

@@ -509,7 +509,12 @@ fn effect_from_wit(e: wit::Effect) -> Effect {
 impl bindings::onceq::handler::store::Host for HostState {
     async fn get(&mut self, table: String, key: Vec<wit::Value>) -> Result<Option<Vec<wit::Column>>, String> {
         let key: Vec<value::Value> = key.into_iter().map(value_from_wit).collect();
-        self.scope.get(&table, &key).await.map(|r| r.map(row_to_wit))
+        // The WIT's error is text: the edge.
+        self.scope
+            .get(&table, &key)
+            .await
+            .map(|r| r.map(row_to_wit))
+            .map_err(|e| e.to_string())
     }
 
     async fn scan(&mut self, table: String, prefix: Vec<wit::Value>, limit: u32) -> Result<Vec<Vec<wit::Column>>, String> {
@@ -518,6 +523,7 @@ impl bindings::onceq::handler::store::Host for HostState {
             .scan(&table, &prefix, limit)
             .await
             .map(|rows| rows.into_iter().map(row_to_wit).collect())
+            .map_err(|e| e.to_string())
     }
 }
 

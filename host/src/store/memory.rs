@@ -71,7 +71,11 @@ impl Fixture {
 
     /// Add (or replace) a row; the columns are checked against the schema
     /// like a handler's insert, and the ones left out are NULL.
-    pub fn insert<'a>(&mut self, table: &str, columns: impl IntoIterator<Item = (&'a str, Value)>) -> Result<&mut Self, String> {
+    pub fn insert<'a>(
+        &mut self,
+        table: &str,
+        columns: impl IntoIterator<Item = (&'a str, Value)>,
+    ) -> Result<&mut Self, crate::schema::SchemaError> {
         let t = self.schema.table(table)?.clone();
         let w = RowWrite {
             table: table.to_string(),
@@ -198,7 +202,7 @@ mod tests {
         let xs = tx.row_scan(&t, &[Value::String("x".into())], 10).await.unwrap();
         let ns: Vec<&Value> = xs.iter().map(|r| &r[1].1).collect();
         assert_eq!(ns, [&Value::Int64(9), &Value::Int64(10)], "numeric key order");
-        assert!(f.insert("t", [("a", Value::Int64(1))]).unwrap_err().contains("a"));
+        assert!(f.insert("t", [("a", Value::Int64(1))]).unwrap_err().to_string().contains("a"));
         assert!(f.insert("nope", []).is_err());
     }
 }

@@ -1114,7 +1114,12 @@ impl Store for SqliteStore {
     }
 
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
-        let t = self.inner.schema.table(table).map_err(StoreError::Permanent)?.clone();
+        let t = self
+            .inner
+            .schema
+            .table(table)
+            .map_err(|e| StoreError::Permanent(e.to_string()))?
+            .clone();
         self.read(|c| row_scan_on(c, &t, &[], i64::MAX as usize))
     }
 
@@ -1253,7 +1258,7 @@ impl Drop for SqliteSnapshot {
 }
 
 fn table_of<'a>(schema: &'a Schema, w: &ValidWrite) -> StoreResult<&'a TableSchema> {
-    schema.table(&w.table).map_err(StoreError::Permanent)
+    schema.table(&w.table).map_err(|e| StoreError::Invariant(e.to_string()))
 }
 
 #[async_trait]

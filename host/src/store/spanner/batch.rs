@@ -411,7 +411,7 @@ impl commit::Executor for SpannerExec<'_> {
     }
 
     async fn write(&mut self, w: &ValidWrite) -> StoreResult<()> {
-        let table = self.schema.table(&w.table).map_err(StoreError::Permanent)?;
+        let table = self.schema.table(&w.table).map_err(|e| StoreError::Invariant(e.to_string()))?;
         let key: Vec<Value> = table
             .primary_key
             .iter()

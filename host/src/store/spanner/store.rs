@@ -373,7 +373,7 @@ impl Store for SpannerStore {
     }
 
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
-        let t = self.schema.table(table).map_err(StoreError::Permanent)?.clone();
+        let t = self.schema.table(table).map_err(|e| StoreError::Permanent(e.to_string()))?.clone();
         self.query_rows(select_stmt(&t, &[], Some(usize::MAX >> 2)), &t).await
     }
 
