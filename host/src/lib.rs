@@ -36,6 +36,7 @@ pub mod config;
 pub mod demo;
 pub mod deploy;
 pub mod dev;
+pub mod gather;
 pub mod host;
 pub mod names;
 pub mod outbox;

@@ -17,12 +17,14 @@ pub struct Stop {
 #[derive(Debug, Clone)]
 pub struct Shutdown {
     rx: watch::Receiver<bool>,
+    /// Held by [`Shutdown::never`] so that its sender outlives the view.
+    _keep: Option<Arc<watch::Sender<bool>>>,
 }
 
 /// A new shutdown, not requested yet.
 pub fn channel() -> (Stop, Shutdown) {
     let (tx, rx) = watch::channel(false);
-    (Stop { tx: Arc::new(tx) }, Shutdown { rx })
+    (Stop { tx: Arc::new(tx) }, Shutdown { rx, _keep: None })
 }
 
 impl Stop {
@@ -33,7 +35,10 @@ impl Stop {
 
     /// Another view of this shutdown, for a new task.
     pub fn subscribe(&self) -> Shutdown {
-        Shutdown { rx: self.tx.subscribe() }
+        Shutdown {
+            rx: self.tx.subscribe(),
+            _keep: None,
+        }
     }
 
     pub fn is_requested(&self) -> bool {
@@ -44,7 +49,9 @@ impl Stop {
 impl Shutdown {
     /// A shutdown nobody will request (a test's runner, a one-off run).
     pub fn never() -> Shutdown {
-        channel().1
+        let (stop, mut shutdown) = channel();
+        shutdown._keep = Some(stop.tx);
+        shutdown
     }
 
     pub fn is_requested(&self) -> bool {
@@ -52,18 +59,26 @@ impl Shutdown {
     }
 
     /// Wait until it is requested (at once if it was). Also returns if
-    /// every [`Stop`] is gone: nobody is left to request it.
+    /// every [`Stop`] is gone: nobody is left to request it, and a task
+    /// waiting only for the shutdown should end rather than hang.
     pub async fn requested(&mut self) {
         let _ = self.rx.wait_for(|stop| *stop).await;
     }
 
     /// Sleep `d`, or less if the shutdown is requested meanwhile; true if
-    /// it was.
+    /// it was. A shutdown whose every [`Stop`] is gone sleeps the whole `d`.
     pub async fn sleep(&mut self, d: Duration) -> bool {
+        let wake = tokio::time::sleep(d);
+        tokio::pin!(wake);
         tokio::select! {
-            () = tokio::time::sleep(d) => self.is_requested(),
-            () = self.requested() => true,
+            () = &mut wake => return self.is_requested(),
+            () = self.requested() => {}
         }
+        if self.is_requested() {
+            return true;
+        }
+        wake.await;
+        self.is_requested()
     }
 }
 
@@ -84,6 +99,19 @@ mod tests {
         assert!(a.is_requested() && stop.is_requested());
         assert!(stop.subscribe().is_requested(), "a view made after the request sees it");
         let mut never = Shutdown::never();
+        let before = tokio::time::Instant::now();
         assert!(!never.sleep(Duration::from_millis(10)).await);
+        assert!(
+            before.elapsed() >= Duration::from_millis(10),
+            "a never-shutdown sleeps the whole time"
+        );
+        let (gone, mut orphan) = channel();
+        drop(gone);
+        let before = tokio::time::Instant::now();
+        assert!(!orphan.sleep(Duration::from_millis(10)).await, "nobody requested it");
+        assert!(
+            before.elapsed() >= Duration::from_millis(10),
+            "an orphaned view sleeps the whole time"
+        );
     }
 }

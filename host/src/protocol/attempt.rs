@@ -9,7 +9,7 @@
 //! `max_deliveries` parks a message that never reaches a verdict.
 
 use super::metrics::hist_record;
-use super::worker::Slot;
+use super::slot::Slot;
 use super::{effects, retry, AttemptError, HandleOutput, Handler, HandlerFailure, Next, Outcome, QueueRunner, ReadScope, Rerun};
 use crate::store::{DeadLetterParams, LeasedMessage, RetryParams, StoreError};
 use std::sync::atomic::Ordering;

@@ -20,6 +20,7 @@
 //! message keeps its own lease token, so what a worker does with its share
 //! (renew, ack, release) is unchanged.
 
+use crate::gather::Gather;
 use crate::store::{LeasedMessage, Store, StoreResult};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -30,9 +31,8 @@ type Share = StoreResult<Vec<LeasedMessage>>;
 /// The lease requests of one queue's workers (see the module docs).
 #[derive(Default)]
 pub(super) struct LeaseGroup {
-    /// Requests no leader has taken yet: how many messages, and where the
-    /// share goes.
-    waiting: Mutex<Vec<(usize, oneshot::Sender<Share>)>>,
+    /// Requests no leader has taken yet: how many messages each wants.
+    waiting: Gather<usize, Share>,
     /// Held while this queue's lease transaction is in flight.
     turn: tokio::sync::Mutex<()>,
 }
@@ -49,15 +49,14 @@ impl LeaseGroup {
     /// Up to `limit` messages of `queue`, leased for `lease`, from this
     /// worker's own lease transaction or another worker's.
     pub(super) async fn lease(&self, store: &dyn Store, queue: &str, limit: usize, lease: Duration) -> Leased {
-        let (tx, mut rx) = oneshot::channel();
-        self.waiting().push((limit, tx));
+        let mut rx = self.waiting.push(limit);
         let turn = tokio::select! {
             biased;
             share = &mut rx => return Leased { share: share.unwrap_or_else(|_| Ok(Vec::new())), led: false },
             turn = self.turn.lock() => turn,
         };
-        // A leader sends every share it took before it gives up the turn: an
-        // empty answer here means this request is still waiting.
+        // A leader answers every request it took before it gives up the
+        // turn: no answer here means this request is still waiting.
         match rx.try_recv() {
             Ok(share) => return Leased { share, led: false },
             Err(oneshot::error::TryRecvError::Closed) => {
@@ -68,43 +67,35 @@ impl LeaseGroup {
             }
             Err(oneshot::error::TryRecvError::Empty) => {}
         }
-        // The store calls `collect` when the lease can start at once (after
-        // the emulator's turn): the requests made until then join it.
-        let taken = Mutex::new(Vec::new());
+        // The store collects when the lease can start at once (after the
+        // emulator's turn): the requests made until then join it.
+        let collector = self.waiting.collector(usize::MAX);
+        let wanted = Mutex::new(Vec::new());
         let collect = || {
-            let mut taken = taken.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            taken.append(&mut self.waiting());
-            taken.iter().map(|(n, _)| *n).sum::<usize>().max(1)
+            let mut wanted = wanted.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            wanted.extend(collector.take());
+            wanted.iter().sum::<usize>().max(1)
         };
         let leased = store.message_lease_collected(queue, lease, &collect).await;
-        let mut requests = taken.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if requests.is_empty() {
+        if collector.is_empty() {
             // The store failed before it collected: these requests get its answer.
-            requests = std::mem::take(&mut *self.waiting());
+            collect();
         }
         match leased {
             Ok(messages) => {
+                // First asked, first served; a requester that is gone (shut
+                // down) leaves its share leased: the lease expires and the
+                // messages come back.
                 let mut messages = messages.into_iter();
-                for (n, reply) in requests {
-                    // A requester that is gone (shut down) leaves its share
-                    // leased; the lease expires and the messages come back.
-                    let _ = reply.send(Ok(messages.by_ref().take(n).collect()));
-                }
+                let wanted = wanted.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let shares: Vec<Share> = wanted.iter().map(|&n| Ok(messages.by_ref().take(n).collect())).collect();
+                collector.answer(shares, || Ok(Vec::new()));
             }
-            Err(e) => {
-                for (_, reply) in requests {
-                    let _ = reply.send(Err(e.clone()));
-                }
-            }
+            Err(e) => collector.answer(std::iter::empty(), || Err(e.clone())),
         }
         drop(turn);
         let share = rx.try_recv().unwrap_or_else(|_| Ok(Vec::new()));
         Leased { share, led: true }
-    }
-
-    fn waiting(&self) -> std::sync::MutexGuard<'_, Vec<(usize, oneshot::Sender<Share>)>> {
-        // Nothing panics while holding it; a poisoned list is still whole.
-        self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

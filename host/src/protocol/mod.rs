@@ -66,6 +66,7 @@ mod lease;
 pub mod metrics;
 mod renew;
 pub mod retry;
+mod slot;
 mod worker;
 
 pub use effects::{EffectError, EffectLimits, Grants};

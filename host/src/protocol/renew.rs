@@ -7,11 +7,10 @@
 //! the clock, not by the renewal's answer: a renewal call that hangs is
 //! abandoned at the lease's end (less a tenth), and the work with it.
 
-use super::worker::Slot;
+use super::slot::Slot;
 use super::QueueRunner;
 use crate::store::LeasedMessage;
 use std::sync::atomic::Ordering;
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::warn;
 
@@ -20,9 +19,9 @@ impl QueueRunner {
     /// `leased_at`: those of its messages not finished, not lost and not
     /// committing (`slots`, in the batch's order), together in one
     /// transaction. Marks a message lost when its lease is gone, or all of
-    /// them when no renewal came in time, and bumps `rounds` after each
-    /// round (the messages' watchers look then). Runs until dropped.
-    pub(super) async fn renew_batch(&self, batch: &[LeasedMessage], slots: &[Slot], leased_at: Instant, rounds: &watch::Sender<u64>) {
+    /// them when no renewal came in time (a lost message's watcher wakes on
+    /// it, [`Slot::cancelled`]). Runs until dropped.
+    pub(super) async fn renew_batch(&self, batch: &[LeasedMessage], slots: &[Slot], leased_at: Instant) {
         let lease = self.spec.policy.lease;
         let mut renewed_at = leased_at;
         let mut next = renewed_at + lease / 3;
@@ -49,7 +48,7 @@ impl QueueRunner {
                             if held {
                                 self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
                             } else if let Some(slot) = slots.get(j) {
-                                slot.lost.store(true, Ordering::Relaxed);
+                                slot.lose();
                             }
                         }
                         true
@@ -66,13 +65,12 @@ impl QueueRunner {
             } else if Instant::now() >= deadline {
                 // No renewal in time: another worker may hold these now.
                 for slot in slots {
-                    slot.lost.store(true, Ordering::Relaxed);
+                    slot.lose();
                 }
                 next = Instant::now() + lease / 3;
             } else {
                 next = Instant::now() + lease / 12;
             }
-            rounds.send_modify(|n| *n += 1);
         }
     }
 }

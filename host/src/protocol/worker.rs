@@ -23,15 +23,16 @@
 //! host's polls (4 payments workers, 1 outbox worker) cost the emulator
 //! about 30% of a core, three idle hosts 83%.
 
+use super::slot::Slot;
 use super::{jittered, sleep_or_shutdown, QueueRunner, Shutdown};
 use crate::store::LeasedMessage;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -139,7 +140,6 @@ impl QueueRunner {
     pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &Shutdown) -> usize {
         let turn = Arc::new(Semaphore::new(1));
         let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
-        let (rounds, _) = watch::channel(0u64);
         let work = async {
             let mut running: Vec<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = Vec::new();
             let mut next = 0;
@@ -147,7 +147,7 @@ impl QueueRunner {
                 while running.len() < IN_FLIGHT && next < batch.len() {
                     let before = next.checked_sub(1).and_then(|j| slots.get(j));
                     if let (Some(lm), Some(slot)) = (batch.get(next), slots.get(next)) {
-                        running.push(Box::pin(self.process_in_batch(lm, slot, before, &rounds, shutdown)));
+                        running.push(Box::pin(self.process_in_batch(lm, slot, before, shutdown)));
                     }
                     next += 1;
                 }
@@ -165,37 +165,30 @@ impl QueueRunner {
         tokio::select! {
             biased;
             () = work => {}
-            () = self.renew_batch(batch, &slots, leased_at, &rounds) => {}
+            () = self.renew_batch(batch, &slots, leased_at) => {}
         }
-        slots.iter().filter(|s| s.lost.load(Ordering::Relaxed) && !s.committed()).count()
+        slots.iter().filter(|s| s.lost_before_outcome()).count()
     }
 
     /// One message of a batch: after `before` (the message ahead of it)
     /// is committing or done, to its outcome, unless its lease is lost
     /// first (skipped) or while its handler runs (cancelled: nothing
     /// commits); released at shutdown.
-    async fn process_in_batch(
-        &self,
-        lm: &LeasedMessage,
-        slot: &Slot,
-        before: Option<&Slot>,
-        rounds: &watch::Sender<u64>,
-        shutdown: &Shutdown,
-    ) {
+    async fn process_in_batch(&self, lm: &LeasedMessage, slot: &Slot, before: Option<&Slot>, shutdown: &Shutdown) {
         if let Some(before) = before {
-            let _ = before.moved_on.subscribe().wait_for(|moved| *moved).await;
+            before.moved_on().await;
         }
+        let mut done = false;
         if shutdown.is_requested() {
             self.release(lm).await;
-        } else if slot.lost.load(Ordering::Relaxed) {
+        } else if slot.state().lost {
             self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
             warn!(queue = %self.spec.name, message_id = %lm.message.id, "lease lost while the message waited in its batch; skipped");
         } else {
-            let mut rounds = rounds.subscribe();
             tokio::select! {
                 biased;
-                _ = self.process_tracked(lm, slot) => slot.outcome.store(true, Ordering::Relaxed),
-                _ = rounds.wait_for(|_| slot.lost.load(Ordering::Relaxed) && !slot.committing.load(Ordering::Acquire)) => {
+                _ = self.process_tracked(lm, slot) => done = true,
+                () = slot.cancelled() => {
                     self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     warn!(
@@ -206,7 +199,7 @@ impl QueueRunner {
                 }
             }
         }
-        slot.finish();
+        slot.end(done);
     }
 
     pub(super) async fn release(&self, lm: &LeasedMessage) {
@@ -229,79 +222,6 @@ impl QueueRunner {
 /// aborted and re-run against 1.1% (a message that read what a message
 /// before it writes re-runs).
 pub(super) const IN_FLIGHT: usize = 4;
-
-/// Where one message of a worker's batch is, for the worker, its lease
-/// renewal and its attempts.
-#[derive(Debug)]
-pub(super) struct Slot {
-    /// Its lease is gone (or could not be renewed in time).
-    pub(super) lost: AtomicBool,
-    /// One of its commits is in flight: renewal leaves it alone, its ack
-    /// decides.
-    pub(super) committing: AtomicBool,
-    finished: AtomicBool,
-    /// It reached an outcome of its own (not skipped or cancelled).
-    outcome: AtomicBool,
-    /// True once its first commit started or it finished: the message after
-    /// it may start.
-    moved_on: watch::Sender<bool>,
-    /// The worker's handler turn, shared by the slots of a batch: held from
-    /// an attempt's start to its commit, so a worker never runs two
-    /// handlers at once (a re-run waits for the next message's handler),
-    /// nor holds more than one live instance (`runtime.max_instances`).
-    turn: Arc<Semaphore>,
-}
-
-impl Default for Slot {
-    fn default() -> Slot {
-        Slot::taking_turns(Arc::new(Semaphore::new(1)))
-    }
-}
-
-impl Slot {
-    fn taking_turns(turn: Arc<Semaphore>) -> Slot {
-        Slot {
-            lost: AtomicBool::new(false),
-            committing: AtomicBool::new(false),
-            finished: AtomicBool::new(false),
-            outcome: AtomicBool::new(false),
-            moved_on: watch::channel(false).0,
-            turn,
-        }
-    }
-
-    /// Wait for the worker's handler turn (see `turn`); `None` if the turn
-    /// is closed, which never happens (then no turn is taken).
-    pub(super) async fn handler_turn(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        self.turn.acquire().await.ok()
-    }
-
-    /// A commit of this message starts.
-    pub(super) fn commit_started(&self) {
-        self.committing.store(true, Ordering::Release);
-        self.moved_on.send_replace(true);
-    }
-
-    /// Its commit ended (whatever the result).
-    pub(super) fn commit_ended(&self) {
-        self.committing.store(false, Ordering::Release);
-    }
-
-    fn finish(&self) {
-        self.finished.store(true, Ordering::Relaxed);
-        self.moved_on.send_replace(true);
-    }
-
-    /// It reached its outcome (whatever became of its lease after).
-    fn committed(&self) -> bool {
-        self.outcome.load(Ordering::Relaxed)
-    }
-
-    /// Its lease is still to be renewed: not finished, lost or committing.
-    pub(super) fn needs_renewal(&self) -> bool {
-        !(self.finished.load(Ordering::Relaxed) || self.lost.load(Ordering::Relaxed) || self.committing.load(Ordering::Acquire))
-    }
-}
 
 /// A worker's measured time per message (lease to outcome, averaged over
 /// its recent batches), and from it how many messages it leases at once.
