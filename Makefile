@@ -24,8 +24,11 @@ JS_DIR       := $(GUEST_DIR)/js
 COMPONENTIZE_JS := $(JS_DIR)/node_modules/.bin/componentize-js
 JS_OUT       := $(GUEST_DIR)/target/js
 JS_GUESTS    := payments inventory fixtures/sdk
+# The book (docs/): mdBook, pinned, installed into tools/mdbook by `make docs`.
+MDBOOK_VERSION := 0.4.52
+MDBOOK       := tools/mdbook/bin/mdbook
 
-.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench lint fmt clean emulator
+.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench docs lint fmt clean emulator
 
 all: build guests
 
@@ -126,6 +129,15 @@ chaos: guests
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests
 	tests/with-spanner-emulator.sh $(CARGO) bench --profile release --bench pipeline
+
+## docs: the book (docs/, mdBook) into docs/book; open docs/book/index.html.
+## `make test` checks its links, configuration keys and commands (tests/docs.rs)
+docs: $(MDBOOK)
+	$(MDBOOK) build docs
+	@echo "the book: docs/book/index.html"
+
+$(MDBOOK):
+	$(CARGO) install mdbook --locked --version $(MDBOOK_VERSION) --no-default-features --root tools/mdbook
 
 ## lint: clippy (unwrap/expect/panic denied outside tests) and rustfmt
 lint:

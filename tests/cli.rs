@@ -388,10 +388,32 @@ fn init_is_atomic_and_names_schema_drift() {
     write("CREATE TABLE IF NOT EXISTS users (id TEXT PRIMARY KEY, name TEXT NOT NULL, email TEXT);\n");
     let (ok, out) = onceq_in(dir.path(), &["init"]);
     assert!(
-        !ok && out.contains("table users: column email (string) is in the schema files but not in the database")
-            && out.contains("ALTER TABLE users ADD COLUMN email"),
+        !ok && out.contains("table users: column email TEXT is in the schema files but not in the database")
+            && out.contains("add it with ALTER TABLE users ADD COLUMN email TEXT"),
         "{out}"
     );
+
+    // A NOT NULL column: the fix init gives works as given (it needs a
+    // DEFAULT for the rows already there).
+    {
+        let db = rusqlite::Connection::open(dir.path().join("data/onceq.db")).unwrap();
+        db.execute("INSERT INTO users (id, name) VALUES ('u1', 'Ann')", []).unwrap();
+    }
+    write("CREATE TABLE IF NOT EXISTS users (id TEXT PRIMARY KEY, name TEXT NOT NULL, tier TEXT NOT NULL);\n");
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(!ok && out.contains("column tier TEXT NOT NULL is in the schema files"), "{out}");
+    let fix = out
+        .split("add it with ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (choose").next())
+        .unwrap_or_else(|| panic!("init gives the statement: {out}"));
+    assert_eq!(fix, "ALTER TABLE users ADD COLUMN tier TEXT NOT NULL DEFAULT ''");
+    rusqlite::Connection::open(dir.path().join("data/onceq.db"))
+        .unwrap()
+        .execute_batch(fix)
+        .unwrap_or_else(|e| panic!("the fix as given: {fix}: {e}"));
+    let (ok, out) = onceq_in(dir.path(), &["init"]);
+    assert!(ok, "after the fix init passes: {out}");
 
     // A table only the database has: noted, not refused.
     write("CREATE TABLE IF NOT EXISTS other (id TEXT PRIMARY KEY);\n");

@@ -225,6 +225,12 @@ tables = ["tally"]
     assert!(m[r#"onceq_handler_duration_seconds_count{queue="tally"}"#] >= 50.0);
     assert!(m[r#"onceq_handler_duration_seconds_bucket{le="+Inf",queue="tally"}"#] >= 50.0);
     assert_eq!(m[r#"onceq_in_flight{queue="tally"}"#], 0.0);
+    let (batches, committed) = (m["onceq_commit_batches_total"], m["onceq_commit_messages_total"]);
+    assert!(
+        batches >= 1.0 && committed >= 50.0,
+        "the group commit's counts move: {batches} batches, {committed} messages"
+    );
+    assert!(committed >= batches, "a batch holds at least one message");
     let (_, stats) = host.get("/v1/stats").await;
     let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
     assert_eq!(stats["active_versions"]["tally"], h2.as_str());

@@ -134,7 +134,7 @@ async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
     let r = payments_runner(&db.store, &rt, policy(4, 5));
     drain(&db.store, std::slice::from_ref(&r)).await;
     assert_payments_exactly_once(&db, n).await;
-    let f = &db.store.commit_group().expect("the SQLite store groups its commits").faults;
+    let f = &db.store.commit_stats().expect("the SQLite store groups its commits").faults;
     let (landed, landed_msgs) = (f.landed_batches.load(Relaxed), f.landed_messages.load(Relaxed));
     let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
     eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");

@@ -14,6 +14,7 @@ mod accounting;
 mod chaos;
 mod cli;
 mod deploy;
+mod docs;
 mod exactly_once;
 mod examples;
 mod hostile;

@@ -127,6 +127,10 @@ async fn ungranted_table_write_and_read_are_refused() {
     let payload = serde_json::json!({"do": "write", "table": "secrets"}).to_string();
     let reason = dead_letter_reason(&db, &payload, HandlerLimits::default(), EffectLimits::default(), &["chaos_log"]).await;
     assert!(reason.contains("write to table secrets is not granted to queue chaos"), "{reason}");
+    assert!(
+        reason.contains("add it to the queue's `tables` in onceq.toml"),
+        "says how to grant it: {reason}"
+    );
     assert_eq!(db.count("SELECT COUNT(*) FROM secrets"), 0);
 
     let db = TestDb::new(CHAOS_SQL);

@@ -190,7 +190,7 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
     let r = payments_runner(&store, &rt, policy(3, 10));
     drain(&store, std::slice::from_ref(&r)).await;
     check_payments_exactly_once(store.as_ref(), n, n, BALANCE).await;
-    let f = &store.commit_group().unwrap().faults;
+    let f = &store.commit_stats().unwrap().faults;
     let (landed, landed_msgs) = (f.landed_batches.load(Relaxed), f.landed_messages.load(Relaxed));
     let (dropped, dropped_msgs) = (f.dropped_batches.load(Relaxed), f.dropped_messages.load(Relaxed));
     eprintln!("landed {landed} batches ({landed_msgs} messages), dropped {dropped} ({dropped_msgs})");
@@ -298,7 +298,7 @@ fn batched() -> StoreOptions {
         commit: onceq::store::commit::CommitOptions {
             max_batch: 64,
             max_wait: Duration::from_millis(300),
-            faults: None,
+            ..Default::default()
         },
         ..Default::default()
     }

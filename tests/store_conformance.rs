@@ -108,7 +108,7 @@ fn batched() -> StoreOptions {
         commit: onceq::store::commit::CommitOptions {
             max_batch: 64,
             max_wait: Duration::from_millis(200),
-            faults: None,
+            ..Default::default()
         },
         ..Default::default()
     }

@@ -412,6 +412,22 @@ impl prometheus_client::collector::Collector for Collector {
                 ConstGauge::new(1i64).encode(m.encode_family(&labels)?)?;
             }
         }
+        if let Some(stats) = serving.store.commit_stats() {
+            let m = e.encode_descriptor(
+                "onceq_commit_batches",
+                "Group-commit batches committed by this host (each one database transaction)",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(stats.batches).encode(m)?;
+            let m = e.encode_descriptor(
+                "onceq_commit_messages",
+                "Messages committed in those batches (divided by the batches: the mean batch size)",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(stats.messages).encode(m)?;
+        }
         histograms(
             &mut e,
             "onceq_message_duration_seconds",

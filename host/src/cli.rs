@@ -5,9 +5,9 @@
 //! function's body is compiled again in every crate that awaits it (its
 //! state machine counts as generic), so a binary that awaited the
 //! library's commands compiled the store, the Spanner client and wasmtime's
-//! async paths a second time (measured: 297 s of a cold release build, as
-//! long as the library itself). Called through one plain function, they
-//! are compiled once, here.
+//! async paths a second time (as long as the library itself, in a cold
+//! release build). Called through one plain function, they are compiled
+//! once, here.
 
 use crate::app;
 use crate::config::{parse_duration, Config};
@@ -272,6 +272,28 @@ fn init_tracing(format: LogFormat, default: &str) {
 
 /// The `onceq` command: parse the arguments, run the command, and map its
 /// error to a message and exit code 1.
+/// Whether `args` (the program name first) is a command line `onceq`
+/// accepts; the parser's message if not. The docs' tests check every
+/// command the book shows with it.
+pub fn check_args<I, T>(args: I) -> Result<(), String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    match Cli::try_parse_from(args) {
+        Ok(_) => Ok(()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+            ) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints its own summary; per-message logs would drown it
@@ -400,7 +422,7 @@ async fn test(cfg: &Config, config: &std::path::Path, files: Vec<PathBuf>, filte
         let found = crate::testcases::discover(project_of(config));
         if found.is_empty() {
             anyhow::bail!(
-                "no test files: write NAME.test.toml next to {} or in tests/ (see the README, \"Testing a handler\")",
+                "no test files: write NAME.test.toml next to {} or in tests/ (see docs/src/handlers/testing.md)",
                 config.display()
             );
         }

@@ -1,6 +1,7 @@
 //! `onceq.toml`: the store, the schema, and the queues with their handlers.
 //!
-//! Every key is documented in the README's configuration table. Unknown
+//! Every key is documented in `docs/src/configuration.md` (tests/docs.rs
+//! checks both ways). Unknown
 //! keys are errors (a typo must not silently fall back to a default).
 //! Relative paths are relative to the config file's folder.
 

@@ -36,13 +36,6 @@ impl<Req, Resp> Gather<Req, Resp> {
         rx
     }
 
-    /// Queue `req` ahead of everything waiting (it goes first).
-    pub fn push_front(&self, req: Req) -> oneshot::Receiver<Resp> {
-        let (tx, rx) = oneshot::channel();
-        self.waiting().push_front((req, tx));
-        rx
-    }
-
     /// Queue `req` ahead of everything waiting, answered through `answer`.
     pub fn push_front_to(&self, req: Req, answer: oneshot::Sender<Resp>) {
         self.waiting().push_front((req, answer));
@@ -53,6 +46,7 @@ impl<Req, Resp> Gather<Req, Resp> {
     }
 
     /// How many requests wait.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.waiting().len()
     }
@@ -143,7 +137,8 @@ mod tests {
     async fn at_most_max_oldest_first_and_first_in_front() {
         let g: Gather<u32, ()> = Gather::default();
         let _r: Vec<_> = (0..5).map(|i| g.push(i)).collect();
-        let _f = g.push_front(100);
+        let (tx, _f) = oneshot::channel();
+        g.push_front_to(100, tx);
         let c = g.collector(3);
         assert_eq!(c.take(), vec![100, 0, 1]);
         assert_eq!(c.take(), Vec::<u32>::new(), "max reached");

@@ -151,8 +151,33 @@ pub fn printable(text: &str) -> String {
     out
 }
 
+/// Control characters, and the characters that are invisible or move
+/// text without being control characters: zero-width and joiners, bidi
+/// marks, embeddings, overrides and isolates (U+061C, U+200B-U+200F,
+/// U+202A-U+202E, U+2066-U+2069), line and paragraph separators, the
+/// byte-order mark, invisible operators (U+2060-U+2064), the soft hyphen,
+/// fillers (U+115F, U+1160, U+3164, U+FFA0), U+180E, interlinear
+/// annotations (U+FFF9-U+FFFB) and tag characters (U+E0000-U+E007F).
 fn needs_escape(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    c.is_control()
+        || matches!(
+            c,
+            '\u{00ad}'
+                | '\u{034f}'
+                | '\u{061c}'
+                | '\u{115f}'
+                | '\u{1160}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{2064}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{3164}'
+                | '\u{feff}'
+                | '\u{ffa0}'
+                | '\u{fff9}'..='\u{fffb}'
+                | '\u{e0000}'..='\u{e007f}'
+        )
 }
 
 /// `text` cut to at most `max` bytes (on a character boundary), saying how
@@ -292,5 +317,30 @@ mod tests {
             reason(&"x".repeat(10 << 20)).len(),
             MAX_REASON_LEN + "… (cut: 10485760 bytes in all)".len()
         );
+    }
+
+    #[test]
+    fn invisible_and_text_moving_characters_are_escaped() {
+        for c in [
+            '\u{061c}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{feff}',
+            '\u{2060}',
+            '\u{2064}',
+            '\u{00ad}',
+            '\u{115f}',
+            '\u{180e}',
+            '\u{fff9}',
+            '\u{e0041}',
+            '\u{202e}',
+            '\u{200b}',
+            '\u{1b}',
+        ] {
+            let shown = printable(&format!("a{c}b"));
+            assert!(!shown.contains(c), "U+{:04X} left raw: {shown:?}", c as u32);
+            assert!(shown.starts_with('a') && shown.ends_with('b'), "{shown:?}");
+        }
+        assert_eq!(printable("plain ümlaut ok"), "plain ümlaut ok", "ordinary text unchanged");
     }
 }

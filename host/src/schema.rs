@@ -35,6 +35,30 @@ impl ColumnType {
         )
     }
 
+    /// The type as a schema file writes it (SQLite's spelling).
+    pub fn sql(self) -> &'static str {
+        match self {
+            ColumnType::Bool => "BOOL",
+            ColumnType::Int64 => "INTEGER",
+            ColumnType::Float64 => "REAL",
+            ColumnType::String => "TEXT",
+            ColumnType::Bytes => "BLOB",
+            ColumnType::Json => "JSON",
+            ColumnType::Timestamp => "TIMESTAMP",
+        }
+    }
+
+    /// A literal of the type, for a DEFAULT the rows already there get.
+    fn example_default(self) -> &'static str {
+        match self {
+            ColumnType::Bool => "FALSE",
+            ColumnType::Int64 | ColumnType::Float64 | ColumnType::Timestamp => "0",
+            ColumnType::String => "''",
+            ColumnType::Bytes => "X''",
+            ColumnType::Json => "'null'",
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ColumnType::Bool => "bool",
@@ -270,12 +294,24 @@ pub fn drift(files: &Schema, database: &Schema) -> (Vec<String>, bool) {
             match have.column(&c.name) {
                 None => {
                     refuse = true;
+                    // A NOT NULL column needs a DEFAULT for the rows already
+                    // there, or the database refuses the ALTER.
+                    let add = if c.nullable {
+                        format!("ALTER TABLE {name} ADD COLUMN {} {}", c.name, c.ty.sql())
+                    } else {
+                        format!(
+                            "ALTER TABLE {name} ADD COLUMN {} {} NOT NULL DEFAULT {} \
+                             (choose the DEFAULT the rows already there get)",
+                            c.name,
+                            c.ty.sql(),
+                            c.ty.example_default()
+                        )
+                    };
                     lines.push(format!(
-                        "table {name}: column {} ({}) is in the schema files but not in the database: \
-                         add it with ALTER TABLE {name} ADD COLUMN {} ...",
+                        "table {name}: column {} {}{} is in the schema files but not in the database: add it with {add}",
                         c.name,
-                        c.ty.name(),
-                        c.name
+                        c.ty.sql(),
+                        if c.nullable { "" } else { " NOT NULL" },
                     ));
                 }
                 Some((_, d)) if d.ty != c.ty || d.nullable != c.nullable => {
@@ -284,9 +320,9 @@ pub fn drift(files: &Schema, database: &Schema) -> (Vec<String>, bool) {
                     lines.push(format!(
                         "table {name}: column {} is {}{} in the schema files, {}{} in the database",
                         c.name,
-                        c.ty.name(),
+                        c.ty.sql(),
                         null(c.nullable),
-                        d.ty.name(),
+                        d.ty.sql(),
                         null(d.nullable)
                     ));
                 }

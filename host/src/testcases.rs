@@ -641,12 +641,22 @@ pub fn render(results: &[FileResult]) -> String {
     let mut out = String::new();
     let (mut passed, mut failed) = (0, 0);
     for f in results {
-        out.push_str(&format!("{} (queue {}, {})\n", f.file.display(), f.queue, f.component.display()));
+        // Case names, reasons and values come from test files and handlers:
+        // printed with their control and invisible characters escaped.
+        let shown = |t: &str| crate::names::printable(t);
+        out.push_str(&format!(
+            "{} (queue {}, {})\n",
+            shown(&f.file.display().to_string()),
+            shown(&f.queue),
+            shown(&f.component.display().to_string())
+        ));
         for c in &f.cases {
             let mark = if c.passed { "ok  " } else { "FAIL" };
-            out.push_str(&format!("  {mark}  {} ({:.0} ms)\n", c.name, c.millis));
+            out.push_str(&format!("  {mark}  {} ({:.0} ms)\n", shown(&c.name), c.millis));
             for p in &c.problems {
-                out.push_str(&format!("          {p}\n"));
+                for line in p.lines() {
+                    out.push_str(&format!("          {}\n", shown(line)));
+                }
             }
             if c.passed {
                 passed += 1
@@ -839,5 +849,28 @@ message = { key = "a" }
         assert!(e.contains("no [[case]]"), "{e}");
         let e = write("[[case]]\nname = \"a\"\nexpect = \"reject\"\nwrites = [{ table = \"t\" }]\n");
         assert!(e.contains("only an ok message has effects"), "{e}");
+    }
+
+    #[test]
+    fn the_report_escapes_what_handlers_and_test_files_chose() {
+        let result = FileResult {
+            file: "t.test.toml".into(),
+            queue: "q".into(),
+            component: "h.wasm".into(),
+            cases: vec![CaseResult {
+                name: "case \u{1b}]0;owned\u{7}".into(),
+                passed: false,
+                problems: vec!["reason: \u{1b}[2Jcleared\u{202e}txt.exe\nsecond line".into()],
+                report: None,
+                millis: 1.0,
+            }],
+        };
+        let out = render(&[result]);
+        assert!(
+            !out.contains('\u{1b}') && !out.contains('\u{7}') && !out.contains('\u{202e}'),
+            "{out}"
+        );
+        assert!(out.contains("\\u{1b}[2Jcleared"), "escaped, still readable: {out}");
+        assert!(out.contains("          second line\n"), "one problem line per line: {out}");
     }
 }

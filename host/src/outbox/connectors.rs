@@ -269,9 +269,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 ///
 /// Concurrent deliveries share their syncs (a group fsync): a delivery
 /// whose line an fsync begun after its write covered is done without one
-/// of its own. Measured through `onceq run --until-empty` (20,000
-/// payments messages, 4 outbox workers): with an fsync per line, the
-/// deliveries were what every message waited for.
+/// of its own: with an fsync per line, the deliveries were what every
+/// message waited for.
 pub struct FileConnector {
     path: PathBuf,
     /// Lines written (a line's ticket is the count after its write).

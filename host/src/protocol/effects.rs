@@ -106,13 +106,13 @@ pub enum EffectError {
 /// What is wrong with one effect.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EffectProblem {
-    #[error("write to table {table} is not granted to queue {queue}")]
+    #[error("write to table {table} is not granted to queue {queue} (add it to the queue's `tables` in onceq.toml)")]
     TableNotGranted { table: String, queue: String },
     /// Unknown table or column, wrong type, missing key, NaN... (the
     /// schema's own words, naming table and column).
     #[error("{0}")]
     Schema(crate::schema::SchemaError),
-    #[error("enqueue on queue {target} is not granted to queue {queue}")]
+    #[error("enqueue on queue {target} is not granted to queue {queue} (add it to the queue's `enqueue` in onceq.toml)")]
     QueueNotGranted { target: String, queue: String },
     #[error("{0} (emit an intent to reach a connector)")]
     QueueName(crate::names::NameError),
@@ -123,7 +123,7 @@ pub enum EffectProblem {
     /// A follow-up's dedup key breaks the one key rule of every key.
     #[error("{0}")]
     DedupKey(crate::names::KeyError),
-    #[error("intent for connector {connector} is not granted to queue {queue}")]
+    #[error("intent for connector {connector} is not granted to queue {queue} (add it to the queue's `connectors` in onceq.toml)")]
     ConnectorNotGranted { connector: String, queue: String },
     #[error("intent for connector {connector}: {reason}")]
     Key { connector: String, reason: crate::names::KeyError },

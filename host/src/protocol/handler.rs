@@ -151,7 +151,7 @@ impl std::fmt::Display for HostTrouble {
 /// A read refused by the scope, naming what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReadError {
-    #[error("read of table {table} is not granted to this queue")]
+    #[error("read of table {table} is not granted to this queue (add it to the queue's `tables` in onceq.toml)")]
     NotGranted { table: String },
     /// The table is granted but not in the database's schema.
     #[error("{message}")]

@@ -270,8 +270,8 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
                 while !rx.is_requested() {
                     // The store is asked only once every queue came up empty
                     // here: the counts read the whole queue table, which a busy
-                    // Spanner emulator feels (measured: checks on every idle
-                    // moment of the outbox took a third of its CPU).
+                    // Spanner emulator feels (checks on every idle moment of
+                    // the outbox took much of its CPU).
                     let asked = runners.iter().all(|r| r.drained.load(Ordering::Relaxed));
                     if !asked {
                         gap = UNTIL_EMPTY_MIN_GAP;

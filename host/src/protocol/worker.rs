@@ -10,18 +10,16 @@
 //! asking at the same time share one lease transaction ([`super::lease`]). So the
 //! messages of a batch are done before their first renewal is due, and
 //! messages the worker could not start soon stay on the queue for other
-//! workers and hosts instead of waiting, renewed, in its batch. Measured on
-//! the Spanner emulator (chaos settings: 3 s leases, batches of 8), where a
-//! message takes hundreds of milliseconds: renewals of waiting messages
-//! took a turn at the emulator's one transaction at a time for every commit
-//! or two.
+//! workers and hosts instead of waiting, renewed, in its batch (on the
+//! Spanner emulator, where a message can take hundreds of milliseconds,
+//! renewals of waiting messages otherwise compete with the commits for its
+//! one transaction at a time; docs/src/benchmarks.md has the figures).
 //!
 //! An idle queue is polled by one worker at a time (the runner's poll gate,
 //! which holds the backoff): the others wait behind it, and when it finds
 //! work the next one polls at once. So an idle host asks the store once per
-//! backoff per queue, not once per worker. Measured on the emulator: an idle
-//! host's polls (4 payments workers, 1 outbox worker) cost the emulator
-//! about 30% of a core, three idle hosts 83%.
+//! backoff per queue, not once per worker (idle polls are what an idle
+//! host costs its store; docs/src/benchmarks.md has the figures).
 
 use super::slot::Slot;
 use super::{jittered, sleep_or_shutdown, QueueRunner, Shutdown};
@@ -216,11 +214,10 @@ impl QueueRunner {
 }
 
 /// Messages of its batch a worker keeps going at once: one handler running,
-/// the ones before it committing. Measured (SQLite, 10,000 payments
-/// messages, interleaved runs): four against two, 1 worker +16-29%, 16
-/// workers +14-27%; the demo (4 workers) +9-36%, with 1.9% of messages
-/// aborted and re-run against 1.1% (a message that read what a message
-/// before it writes re-runs).
+/// the ones before it committing. Four beat two on every worker count
+/// measured, at the price of a few more messages re-run (one that read
+/// what a message before it writes); docs/src/benchmarks.md has the
+/// figures.
 pub(super) const IN_FLIGHT: usize = 4;
 
 /// A worker's measured time per message (lease to outcome, averaged over

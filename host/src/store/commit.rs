@@ -281,8 +281,9 @@ pub struct CommitOptions {
     /// How long a leader waits for more messages before it commits
     /// (`commit.max_wait`); zero commits what is queued at once.
     pub max_wait: Duration,
-    /// Unknown outcomes injected on whole batches (tests and the demo;
-    /// never set by `onceq.toml`): see [`super::faulty::FaultyBatch`].
+    /// Unknown outcomes injected on whole batches (tests only, with the
+    /// `fault-injection` feature): see [`super::faulty::FaultyBatch`].
+    #[cfg(feature = "fault-injection")]
     pub faults: Option<super::faulty::BatchFaults>,
 }
 
@@ -291,9 +292,23 @@ impl Default for CommitOptions {
         CommitOptions {
             max_batch: 64,
             max_wait: Duration::ZERO,
+            #[cfg(feature = "fault-injection")]
             faults: None,
         }
     }
+}
+
+/// What a store's group commit did so far (`onceq_commit_batches` and
+/// `onceq_commit_messages` on the admin API's metrics).
+#[derive(Debug, Clone)]
+pub struct CommitStats {
+    /// Batches committed (each one database transaction).
+    pub batches: u64,
+    /// Messages committed in them.
+    pub messages: u64,
+    /// What `CommitOptions::faults` injected.
+    #[cfg(feature = "fault-injection")]
+    pub faults: Arc<super::faulty::BatchFaultCounts>,
 }
 
 /// Run a future that never waits (a driver whose statements are
@@ -383,8 +398,7 @@ pub const HOLD_MAX: Duration = Duration::from_millis(500);
 /// [`Group::stop`] lets the committer commit what waits and end.
 pub struct Group {
     options: CommitOptions,
-    /// The store's batch commit (with the injected faults of
-    /// `options.faults`, if any).
+    /// The store's batch commit (with injected faults, in tests).
     driver: Arc<dyn BatchCommit>,
     /// Commits waiting for the committer.
     commits: Arc<Gather<Waiting, StoreResult<()>>>,
@@ -396,10 +410,10 @@ pub struct Group {
     /// [`Group::stop`] was called: nothing more is taken.
     stopped: std::sync::atomic::AtomicBool,
     /// Batches committed and messages in them (`/metrics`, `make bench`).
-    pub batches: Arc<std::sync::atomic::AtomicU64>,
-    pub messages: Arc<std::sync::atomic::AtomicU64>,
-    /// What `options.faults` injected.
-    pub faults: Arc<super::faulty::BatchFaultCounts>,
+    batches: Arc<std::sync::atomic::AtomicU64>,
+    messages: Arc<std::sync::atomic::AtomicU64>,
+    #[cfg(feature = "fault-injection")]
+    faults: Arc<super::faulty::BatchFaultCounts>,
 }
 
 /// A running committer: where jobs go, and what says it ended.
@@ -414,7 +428,9 @@ pub const BACKLOG_PER_BATCH: usize = 4;
 
 impl Group {
     pub fn new(options: CommitOptions, driver: Arc<dyn BatchCommit>) -> Group {
+        #[cfg(feature = "fault-injection")]
         let faults: Arc<super::faulty::BatchFaultCounts> = Default::default();
+        #[cfg(feature = "fault-injection")]
         let driver = match options.faults {
             Some(plan) => super::faulty::FaultyBatch::wrap(driver, plan, faults.clone()),
             None => driver,
@@ -429,12 +445,23 @@ impl Group {
             stopped: std::sync::atomic::AtomicBool::new(false),
             batches: Default::default(),
             messages: Default::default(),
+            #[cfg(feature = "fault-injection")]
             faults,
         }
     }
 
     pub fn options(&self) -> CommitOptions {
         self.options
+    }
+
+    /// What it committed so far.
+    pub fn stats(&self) -> CommitStats {
+        CommitStats {
+            batches: self.batches.load(std::sync::atomic::Ordering::Relaxed),
+            messages: self.messages.load(std::sync::atomic::Ordering::Relaxed),
+            #[cfg(feature = "fault-injection")]
+            faults: self.faults.clone(),
+        }
     }
 
     /// Commit `p` with whatever else is being committed now; its own result.
@@ -461,10 +488,8 @@ impl Group {
     /// Run `work` on the committer, after the batch being committed: for a
     /// store whose committer has a thread of its own (SQLite), the other
     /// writes (leases, renewals, failure records) then take the write lock
-    /// there, with no hand-off between threads. Measured with 16 workers:
-    /// a lease run on the runtime held the next batch back by about 270 µs
-    /// (the time for the lease's task to be scheduled once the lock was
-    /// its), a fifth of the committer's time.
+    /// there, with no hand-off between threads (a lease run on the runtime
+    /// held the next batch back while its task waited to be scheduled).
     pub async fn run<T: Send + 'static>(&self, work: impl Future<Output = StoreResult<T>> + Send + 'static) -> StoreResult<T> {
         let (tx, rx) = oneshot::channel();
         self.send(Job::Run(Box::pin(async move {
@@ -580,11 +605,10 @@ fn closing() -> StoreError {
 
 /// Run a committer whose commits block on a thread of its own, on a
 /// single-threaded runtime there; it ends with the committer (when every
-/// sender is gone). Measured with SQLite (16 workers, 10,000 payments
-/// messages): each batch on tokio's blocking pool instead waited for a
-/// pool thread, then for a runtime thread free of handlers to take its
-/// results, and the committer, the serial part, spent a third of its time
-/// outside its commits.
+/// sender is gone). On tokio's blocking pool instead, each batch waited
+/// for a pool thread, then for a runtime thread free of handlers to take
+/// its results, and the committer, the serial part, spent much of its time
+/// outside its commits (docs/src/benchmarks.md).
 fn on_own_thread(run: impl Future<Output = ()> + Send + 'static) -> StoreResult<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -809,7 +833,7 @@ mod tests {
         let options = CommitOptions {
             max_batch: 16,
             max_wait: Duration::from_millis(20),
-            faults: None,
+            ..CommitOptions::default()
         };
         let group = Arc::new(Group::new(options, rec.clone()));
         let mut tasks = tokio::task::JoinSet::new();
@@ -844,7 +868,7 @@ mod tests {
         let options = CommitOptions {
             max_batch: 1,
             max_wait: Duration::ZERO,
-            faults: None,
+            ..CommitOptions::default()
         };
         let group = Group::new(options, rec.clone());
         let (a, b) = tokio::join!(group.commit(pending("a")), group.commit(pending("b")));
@@ -907,7 +931,7 @@ mod tests {
         let options = CommitOptions {
             max_batch: 2,
             max_wait: Duration::ZERO,
-            faults: None,
+            ..CommitOptions::default()
         };
         let group = Arc::new(Group::new(options, Arc::new(Slow(committed.clone()))));
         let mut tasks = tokio::task::JoinSet::new();

@@ -161,8 +161,8 @@ impl Store for FaultyStore {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
-    fn commit_group(&self) -> Option<&commit::Group> {
-        self.inner.commit_group()
+    fn commit_stats(&self) -> Option<commit::CommitStats> {
+        self.inner.commit_stats()
     }
     fn schema(&self) -> Arc<Schema> {
         self.inner.schema()
@@ -307,101 +307,111 @@ impl Transaction for FaultyTransaction {
     }
 }
 
-/// Unknown outcomes on whole batches of the group commit
-/// ([`commit::CommitOptions::faults`]): a batch that commits and then
-/// reports an unknown outcome to every message in it, or one that reports
-/// it without committing. Each message must then be re-run, and its ack
-/// decides between *already committed* and *applied now*.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct BatchFaults {
-    /// The batch lands, then every message sees an unknown outcome.
-    pub after_commit: f64,
-    /// The batch is dropped, and every message sees an unknown outcome.
-    pub before_commit: f64,
-    pub seed: u64,
-}
+#[cfg(feature = "fault-injection")]
+pub use batch::{BatchFaultCounts, BatchFaults, FaultyBatch};
 
-/// What [`BatchFaults`] injected: batches, and the messages in them.
-#[derive(Debug, Default)]
-pub struct BatchFaultCounts {
-    pub landed_batches: AtomicU64,
-    pub landed_messages: AtomicU64,
-    pub dropped_batches: AtomicU64,
-    pub dropped_messages: AtomicU64,
-}
+/// Faults on the group commit's batches: a test hook, compiled only with
+/// the `fault-injection` feature (the tests enable it; `onceq` does not).
+#[cfg(feature = "fault-injection")]
+mod batch {
+    use super::*;
 
-/// A batch committer injecting [`BatchFaults`].
-pub struct FaultyBatch {
-    inner: Arc<dyn commit::BatchCommit>,
-    plan: BatchFaults,
-    rng: Mutex<rand::rngs::StdRng>,
-    counts: Arc<BatchFaultCounts>,
-}
-
-impl FaultyBatch {
-    pub fn wrap(inner: Arc<dyn commit::BatchCommit>, plan: BatchFaults, counts: Arc<BatchFaultCounts>) -> Arc<dyn commit::BatchCommit> {
-        Arc::new(FaultyBatch {
-            inner,
-            plan,
-            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(plan.seed)),
-            counts,
-        })
-    }
-}
-
-impl FaultyBatch {
-    fn roll(&self) -> f64 {
-        self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0)
+    /// Unknown outcomes on whole batches of the group commit
+    /// ([`commit::CommitOptions::faults`]): a batch that commits and then
+    /// reports an unknown outcome to every message in it, or one that reports
+    /// it without committing. Each message must then be re-run, and its ack
+    /// decides between *already committed* and *applied now*.
+    #[derive(Debug, Clone, Copy, PartialEq, Default)]
+    pub struct BatchFaults {
+        /// The batch lands, then every message sees an unknown outcome.
+        pub after_commit: f64,
+        /// The batch is dropped, and every message sees an unknown outcome.
+        pub before_commit: f64,
+        pub seed: u64,
     }
 
-    /// What the batch's messages see: `results` as they are, or every one
-    /// an unknown outcome when `roll` says the batch landed and the answer
-    /// was lost.
-    fn landed(&self, roll: f64, results: Vec<StoreResult<()>>) -> Vec<StoreResult<()>> {
-        let n = results.len();
-        if roll < self.plan.before_commit + self.plan.after_commit && n > 0 && results.iter().all(Result::is_ok) {
-            self.counts.landed_batches.fetch_add(1, Ordering::Relaxed);
-            self.counts.landed_messages.fetch_add(n as u64, Ordering::Relaxed);
-            return (0..n)
-                .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} landed"))))
-                .collect();
+    /// What [`BatchFaults`] injected: batches, and the messages in them.
+    #[derive(Debug, Default)]
+    pub struct BatchFaultCounts {
+        pub landed_batches: AtomicU64,
+        pub landed_messages: AtomicU64,
+        pub dropped_batches: AtomicU64,
+        pub dropped_messages: AtomicU64,
+    }
+
+    /// A batch committer injecting [`BatchFaults`].
+    pub struct FaultyBatch {
+        inner: Arc<dyn commit::BatchCommit>,
+        plan: BatchFaults,
+        rng: Mutex<rand::rngs::StdRng>,
+        counts: Arc<BatchFaultCounts>,
+    }
+
+    impl FaultyBatch {
+        pub fn wrap(inner: Arc<dyn commit::BatchCommit>, plan: BatchFaults, counts: Arc<BatchFaultCounts>) -> Arc<dyn commit::BatchCommit> {
+            Arc::new(FaultyBatch {
+                inner,
+                plan,
+                rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(plan.seed)),
+                counts,
+            })
         }
-        results
     }
 
-    fn dropped(&self, n: usize) -> Vec<StoreResult<()>> {
-        self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
-        self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
-        (0..n)
-            .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} was dropped"))))
-            .collect()
-    }
-}
-
-#[async_trait]
-impl commit::BatchCommit for FaultyBatch {
-    async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
-        let roll = self.roll();
-        if roll < self.plan.before_commit {
-            return self.dropped(batch.len());
+    impl FaultyBatch {
+        fn roll(&self) -> f64 {
+            self.rng.lock().map(|mut r| r.random()).unwrap_or(1.0)
         }
-        let results = self.inner.commit_batch(batch).await;
-        self.landed(roll, results)
-    }
 
-    /// The driver's own collecting commit (the emulator's turn), with the
-    /// same faults: a dropped batch is collected and answered without
-    /// being committed.
-    async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
-        let roll = self.roll();
-        if roll < self.plan.before_commit {
-            return self.dropped(collect().len());
+        /// What the batch's messages see: `results` as they are, or every one
+        /// an unknown outcome when `roll` says the batch landed and the answer
+        /// was lost.
+        fn landed(&self, roll: f64, results: Vec<StoreResult<()>>) -> Vec<StoreResult<()>> {
+            let n = results.len();
+            if roll < self.plan.before_commit + self.plan.after_commit && n > 0 && results.iter().all(Result::is_ok) {
+                self.counts.landed_batches.fetch_add(1, Ordering::Relaxed);
+                self.counts.landed_messages.fetch_add(n as u64, Ordering::Relaxed);
+                return (0..n)
+                    .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} landed"))))
+                    .collect();
+            }
+            results
         }
-        let results = self.inner.commit_collected(collect).await;
-        self.landed(roll, results)
+
+        fn dropped(&self, n: usize) -> Vec<StoreResult<()>> {
+            self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
+            self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
+            (0..n)
+                .map(|_| Err(StoreError::UnknownOutcome(format!("injected: a batch of {n} was dropped"))))
+                .collect()
+        }
     }
 
-    fn blocks(&self) -> bool {
-        self.inner.blocks()
+    #[async_trait]
+    impl commit::BatchCommit for FaultyBatch {
+        async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+            let roll = self.roll();
+            if roll < self.plan.before_commit {
+                return self.dropped(batch.len());
+            }
+            let results = self.inner.commit_batch(batch).await;
+            self.landed(roll, results)
+        }
+
+        /// The driver's own collecting commit (the emulator's turn), with the
+        /// same faults: a dropped batch is collected and answered without
+        /// being committed.
+        async fn commit_collected(&self, collect: &(dyn Fn() -> Vec<commit::Pending> + Send + Sync)) -> Vec<StoreResult<()>> {
+            let roll = self.roll();
+            if roll < self.plan.before_commit {
+                return self.dropped(collect().len());
+            }
+            let results = self.inner.commit_collected(collect).await;
+            self.landed(roll, results)
+        }
+
+        fn blocks(&self) -> bool {
+            self.inner.blocks()
+        }
     }
 }

@@ -335,12 +335,11 @@ pub trait Store: Send + Sync + 'static {
     /// "sqlite", "spanner", ...
     fn kind(&self) -> &'static str;
 
-    /// The store's group commit, when it has one: its counts of batches
-    /// and of injected faults.
+    /// What the store's group commit did so far, when it has one.
     ///
     /// No method of this trait has a default: a decorator (the fault
     /// injector) must forward each one, or the compiler says so.
-    fn commit_group(&self) -> Option<&commit::Group>;
+    fn commit_stats(&self) -> Option<commit::CommitStats>;
 
     /// The business tables, as read from the database when it was opened.
     fn schema(&self) -> Arc<Schema>;

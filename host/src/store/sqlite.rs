@@ -753,9 +753,9 @@ impl Inner {
     /// (`synchronous = NORMAL` for this transaction when the database runs
     /// FULL); the next durable commit syncs the write-ahead log, this one
     /// included. A crash of the process loses nothing (the operating
-    /// system has the write): only an OS crash or a power cut can. Measured:
-    /// with 16 workers, leases were a third of all fsyncs, each stalling an
-    /// async worker thread (10,000 messages: 1,486 fsyncs instead of ~2,100).
+    /// system has the write): only an OS crash or a power cut can. Leases
+    /// were otherwise a third of all fsyncs, each stalling an async worker
+    /// thread (docs/src/benchmarks.md).
     ///
     /// It runs on the committer's thread, between two batches
     /// ([`commit::Group::run`]).
@@ -832,8 +832,8 @@ impl Store for SqliteStore {
         "sqlite"
     }
 
-    fn commit_group(&self) -> Option<&commit::Group> {
-        Some(&self.inner.group)
+    fn commit_stats(&self) -> Option<commit::CommitStats> {
+        Some(self.inner.group.stats())
     }
 
     fn schema(&self) -> Arc<Schema> {

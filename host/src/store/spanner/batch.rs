@@ -265,10 +265,9 @@ impl<'t> SpannerExec<'t> {
     /// are the database's clock as read in the transaction. A batch of one
     /// asserts its ack's row by DML instead.
     ///
-    /// No DML: the emulator plans and scans for each statement (measured:
-    /// a batch DML of the claims, inserts and counts cost 40-85 ms with
-    /// 3,000 orders queued, one of 64 holds 50-200 ms), and on Spanner
-    /// mutations need no round trip before the commit. A mutation that
+    /// No DML: the emulator plans and scans for each statement (tens of
+    /// milliseconds per batch DML with a few thousand messages queued), and
+    /// on Spanner mutations need no round trip before the commit. A mutation that
     /// cannot apply (an insert of an id that exists) fails the commit as a
     /// whole, which is then run again one message at a time.
     pub(super) async fn write_all(

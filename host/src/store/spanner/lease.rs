@@ -77,10 +77,10 @@ impl SpannerStore {
         // poll it). Its read timestamp is the database's clock; the queue's
         // index is read by key range up to it, shard by shard from `first`,
         // at most `limit` rows: what is visible now, oldest first within a
-        // shard, and never more rows than asked for. (Measured on the
-        // emulator with 3,000 queued: the same candidates as one query
-        // ordered by shard and visibility cost 30-40 ms, a scan; on Spanner
-        // that query read every visible entry of the queue's index.)
+        // shard, and never more rows than asked for. (The same candidates
+        // as one query ordered by shard and visibility is a scan on the
+        // emulator and reads every visible entry of the queue's index on
+        // Spanner.)
         let (candidates, now) = self
             .pool
             .within("a lease query", false, async {

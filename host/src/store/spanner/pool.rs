@@ -23,8 +23,8 @@ pub(super) struct Pool {
     /// On the emulator, which runs one read-write transaction at a time and
     /// aborts any other at once, read-write transactions take turns, in
     /// this process and with the other processes of the machine, instead of
-    /// aborting each other ([`super::turns`]; measured: 1 host drained 300
-    /// payments messages in 31 s without the in-process turns).
+    /// aborting each other ([`super::turns`]: without them even one host
+    /// is slowed to a crawl by its own aborts).
     pub(super) turns: Option<super::turns::Turns>,
 }
 

@@ -178,8 +178,8 @@ impl Store for SpannerStore {
         "spanner"
     }
 
-    fn commit_group(&self) -> Option<&commit::Group> {
-        Some(self.group.as_ref())
+    fn commit_stats(&self) -> Option<commit::CommitStats> {
+        Some(self.group.stats())
     }
 
     fn schema(&self) -> Arc<Schema> {

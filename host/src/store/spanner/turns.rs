@@ -4,9 +4,9 @@
 //! transaction that asks while another runs is aborted at once, or, now and
 //! then, the running one is aborted instead ("getting priority"). So
 //! transactions that overlap abort each other, and the longest ones (a
-//! commit of a whole batch) lose most often. Measured with the chaos test's
-//! settings and no faults: three hosts on one emulator database processed
-//! about 1 message/s between them, where one host alone did about 3.
+//! commit of a whole batch) lose most often: three hosts on one emulator
+//! database processed fewer messages between them than one host alone
+//! (docs/src/benchmarks.md).
 //!
 //! On the emulator, a host's read-write transactions therefore take turns:
 //! inside the process through a FIFO semaphore, and across the processes of
@@ -15,8 +15,8 @@
 //! afresh, so two turns never share a lock, and closing it releases it; a
 //! process that dies releases its lock with its files. A transaction it
 //! left open in the emulator is ended by the emulator once another one gets
-//! priority (measured: within about 10 s), meanwhile the others abort and
-//! re-run as before.
+//! priority (within seconds), meanwhile the others abort and re-run as
+//! before.
 //!
 //! Hosts that do not share the temporary folder (other machines or
 //! containers) do not see each other's turns: they abort each other and

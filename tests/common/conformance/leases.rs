@@ -1,0 +1,236 @@
+//! Leasing, acking, renewing, releasing and fencing by lease token; retries and dead letters with what each message was charged.
+
+use super::*;
+
+pub async fn lease_and_ack(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("q", "1"), send("q", "2"), send("q", "3"), send("other", "x")])
+        .await
+        .unwrap();
+    let got = lease(s, "q", 2, 10_000).await;
+    assert_eq!(got.len(), 2);
+    assert!(got.iter().all(|m| m.message.attempt == 1 && m.message.queue == "q"));
+    assert!(
+        got[0].message.enqueued_at > 1_600_000_000_000_000,
+        "enqueued_at is database time in µs"
+    );
+    let stats = s.stats().await.unwrap();
+    let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!((q.ready, q.leased, q.delayed), (1, 2, 0));
+    ack(s, &got[0].lease).await.unwrap();
+    assert!(
+        matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })),
+        "a second ack fails"
+    );
+    let stats = s.stats().await.unwrap();
+    let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!(q.processed, 1, "the ack is counted once, the refused one not at all");
+    assert!(q.last_processed_at.is_some_and(|t| t > 1_600_000_000_000_000), "{q:?}");
+    let other = stats.queues.iter().find(|q| q.queue == "other").unwrap();
+    assert_eq!((other.processed, other.last_processed_at), (0, None));
+    let rest = lease(s, "q", 10, 10_000).await;
+    assert_eq!(rest.len(), 1, "leased messages are invisible");
+    assert_eq!(lease(s, "other", 10, 10_000).await.len(), 1, "queues are separate");
+    ack(s, &rest[0].lease).await.unwrap();
+    let stats = s.stats().await.unwrap();
+    let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!(q.processed, 2, "a later ack adds to the count");
+}
+
+pub async fn expiry_and_token_fencing(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("q", "m")]).await.unwrap();
+    let first = lease(s, "q", 1, 200).await.remove(0);
+    let mut second = Vec::new();
+    for _ in 0..500 {
+        second = lease(s, "q", 1, 10_000).await;
+        if !second.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = second.pop().expect("re-leased after the lease expired");
+    assert_eq!(second.message.id, first.message.id);
+    assert_eq!(second.message.attempt, 2);
+    assert_ne!(second.lease.token, first.lease.token);
+    let stale = &first.lease;
+    assert!(matches!(ack(s, stale).await, Err(StoreError::LeaseLost { .. })));
+    assert!(matches!(
+        s.message_retry_later(stale, retry(Duration::ZERO, "x", true)).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert_eq!(
+        s.message_lease_renew(&[stale.clone(), second.lease.clone()], Duration::from_secs(1))
+            .await
+            .unwrap(),
+        vec![false, true],
+        "a renewal says which leases are lost"
+    );
+    assert!(matches!(s.message_release(stale).await, Err(StoreError::LeaseLost { .. })));
+    let dl = DeadLetterParams {
+        reason: "x".into(),
+        handler_version: None,
+        failed: true,
+    };
+    assert!(matches!(s.message_dead_letter(stale, dl).await, Err(StoreError::LeaseLost { .. })));
+    ack(s, &second.lease).await.unwrap();
+}
+
+pub async fn renew_keeps_the_lease(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("renewed", "r"), send("control", "c")]).await.unwrap();
+    let renewed = lease(s, "renewed", 1, 300).await.remove(0);
+    let _control = lease(s, "control", 1, 300).await.remove(0);
+    assert_eq!(
+        s.message_lease_renew(std::slice::from_ref(&renewed.lease), Duration::from_secs(30))
+            .await
+            .unwrap(),
+        vec![true]
+    );
+    let st = store.clone();
+    wait_until("the control lease to expire", Duration::from_secs(10), || {
+        let st = st.clone();
+        async move { !lease(st.as_ref(), "control", 1, 10_000).await.is_empty() }
+    })
+    .await;
+    assert!(
+        lease(s, "renewed", 1, 10_000).await.is_empty(),
+        "a renewed lease does not expire with the original deadline"
+    );
+    ack(s, &renewed.lease).await.unwrap();
+}
+
+pub async fn retry_later_and_release(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("q", "m")]).await.unwrap();
+    let m = lease(s, "q", 1, 10_000).await.remove(0);
+    // Long enough that the stats and the lease below finish inside it on a
+    // loaded machine (200 ms was not, on the emulator during the full suite).
+    s.message_retry_later(&m.lease, retry(Duration::from_secs(2), "busy", true))
+        .await
+        .unwrap();
+    let stats = s.stats().await.unwrap();
+    assert_eq!(stats.queues[0].delayed, 1);
+    assert!(stats.queues[0].next_due_ms.is_some_and(|ms| ms <= 2_000));
+    assert!(lease(s, "q", 1, 10_000).await.is_empty(), "not visible during the backoff");
+    let st = store.clone();
+    wait_until("the retry to become visible", Duration::from_secs(10), || {
+        let st = st.clone();
+        async move { st.stats().await.unwrap().queues[0].ready == 1 }
+    })
+    .await;
+    let again = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((again.message.attempt, again.failures), (2, 1));
+    s.message_release(&again.lease).await.unwrap();
+    let third = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!(
+        (third.message.attempt, third.failures),
+        (2, 1),
+        "a release does not count a delivery"
+    );
+}
+
+/// Failures and deliveries are two counts: a lease is a delivery; only a
+/// retry that says it failed, or a dead letter for a failure, is a
+/// failure. Listings and dead letters show both.
+pub async fn failures_and_deliveries_are_counted_apart(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("q", "m")]).await.unwrap();
+    // A lease that expires without a verdict (a crashed host).
+    let first = lease(s, "q", 1, 100).await.remove(0);
+    assert_eq!((first.message.attempt, first.failures), (1, 0));
+    let st = store.clone();
+    wait_until("the lease to expire", Duration::from_secs(10), || {
+        let st = st.clone();
+        async move { st.stats().await.unwrap().queues[0].ready == 1 }
+    })
+    .await;
+    // Deferred for the host's trouble: not a failure.
+    let second = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((second.message.attempt, second.failures), (2, 0));
+    s.message_retry_later(&second.lease, retry(Duration::ZERO, "store trouble", false))
+        .await
+        .unwrap();
+    // A failure of its own.
+    let third = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((third.message.attempt, third.failures), (3, 0));
+    s.message_retry_later(&third.lease, retry(Duration::from_secs(60), "handler crashed", true))
+        .await
+        .unwrap();
+    let listed = s.message_get(&third.message.id).await.unwrap().expect("still queued");
+    assert_eq!((listed.deliveries, listed.failures), (3, 1));
+    assert_eq!(listed.last_error.as_deref(), Some("handler crashed"));
+    let listed = s.message_list(Queues::Named("q"), 10).await.unwrap();
+    assert_eq!((listed[0].deliveries, listed[0].failures), (3, 1));
+}
+
+/// A dead letter records the deliveries and the failures: one more for a
+/// failure, none more for a message parked without a verdict.
+pub async fn dead_letters_count_failures_and_deliveries(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![send("failed", "f"), send("parked", "p")]).await.unwrap();
+    let f = lease(s, "failed", 1, 10_000).await.remove(0);
+    s.message_retry_later(&f.lease, retry(Duration::ZERO, "boom", true)).await.unwrap();
+    let f = lease(s, "failed", 1, 10_000).await.remove(0);
+    let dead = |failed| DeadLetterParams {
+        reason: "gave up".into(),
+        handler_version: None,
+        failed,
+    };
+    s.message_dead_letter(&f.lease, dead(true)).await.unwrap();
+    let p = lease(s, "parked", 1, 10_000).await.remove(0);
+    s.message_dead_letter(&p.lease, dead(false)).await.unwrap();
+    let d = s.dead_letter_get(&f.message.id).await.unwrap().unwrap();
+    assert_eq!((d.deliveries, d.failures), (2, 2));
+    let d = s.dead_letter_get(&p.message.id).await.unwrap().unwrap();
+    assert_eq!((d.deliveries, d.failures), (1, 0));
+    // A replay starts both counts again.
+    s.dead_letter_replay(&f.message.id).await.unwrap();
+    let back = lease(s, "failed", 1, 10_000).await.remove(0);
+    assert_eq!((back.message.attempt, back.failures), (1, 0));
+}
+
+fn retry(delay: Duration, reason: &str, failed: bool) -> RetryParams {
+    RetryParams {
+        delay,
+        reason: reason.into(),
+        failed,
+    }
+}
+
+pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    s.message_send(vec![SendParams {
+        attributes: vec![("k".into(), "v".into())],
+        ..send("q", "poison")
+    }])
+    .await
+    .unwrap();
+    let m = lease(s, "q", 1, 10_000).await.remove(0);
+    s.message_dead_letter(
+        &m.lease,
+        DeadLetterParams {
+            reason: "it is poison".into(),
+            handler_version: Some("v1".into()),
+            failed: true,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(lease(s, "q", 1, 10_000).await.is_empty());
+    let dead = s.dead_letter_list(Queues::Named("q"), 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(
+        (d.id.as_str(), d.reason.as_str(), d.deliveries, d.failures, d.payload.as_slice()),
+        (m.message.id.as_str(), "it is poison", 1, 1, b"poison".as_slice())
+    );
+    assert_eq!(d.attributes, vec![("k".to_string(), "v".to_string())]);
+    assert_eq!(d.handler_version.as_deref(), Some("v1"));
+    assert_eq!(s.stats().await.unwrap().queues[0].dead, 1);
+    assert!(s.dead_letter_get(&d.id).await.unwrap().is_some());
+    assert_eq!(s.dead_letter_replay(&d.id).await.unwrap().as_deref(), Some(d.id.as_str()));
+    assert_eq!(s.dead_letter_replay(&d.id).await.unwrap(), None);
+    let back = lease(s, "q", 1, 10_000).await.remove(0);
+    assert_eq!((back.message.attempt, back.message.payload.as_slice()), (1, b"poison".as_slice()));
+}
