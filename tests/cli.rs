@@ -645,6 +645,18 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_tests_checks_and_counts(
     let out = run_ok(Command::new("npm").current_dir(&project).arg("test").env("ONCEQ", onceq_bin()));
     scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_js.test.toml");
     scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
+    // A schema change the typed tables do not know yet: check and test say
+    // so, with the command that fixes it.
+    let schema = project.join("schema.sql");
+    let ddl = std::fs::read_to_string(&schema).unwrap();
+    std::fs::write(&schema, format!("{ddl}CREATE TABLE IF NOT EXISTS tags (id TEXT PRIMARY KEY);\n")).unwrap();
+    for args in [&["check", "build/hello_js.wasm"][..], &["test"][..]] {
+        let (_, out) = onceq_in(&project, args);
+        assert!(
+            out.contains("warning: src/schema.d.ts is out of date with the schema files") && out.contains("run `npm run types`"),
+            "{args:?}: {out}"
+        );
+    }
 }
 
 #[test]

@@ -352,6 +352,24 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
     let text = out();
     assert!(text.contains(&format!("deployed {h2} to tally")), "{text}");
     assert_eq!(host.active().await["version"], h2.as_str());
+
+    // Cases that pass on another component than the queue's handler: what
+    // no case ran is not deployed.
+    std::fs::copy(guest("tally_v1"), host.dir.path().join("other.wasm")).unwrap();
+    std::fs::write(
+        host.dir.path().join("tally.test.toml"),
+        format!("component = \"other.wasm\"\n{}", case("tally-v1")),
+    )
+    .unwrap();
+    wait_until("dev's fourth round", Duration::from_secs(120), rounds(4)).await;
+    let text = out();
+    let round4 = text.rsplit("changed:").next().unwrap_or_default();
+    assert!(round4.contains("1 case passed"), "{text}");
+    assert!(
+        round4.contains("not deployed to tally: no test case ran") && round4.contains("build/tally.wasm as built now"),
+        "{text}"
+    );
+    assert!(!round4.contains(&format!("deployed {h2} to")), "{text}");
     dev.kill().await.unwrap();
     host.stop().await;
 }

@@ -364,7 +364,7 @@ async fn reject_dead_letters_at_once_and_retry_gives_up_after_max_attempts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
+async fn poison_message_goes_to_dlq_at_once_or_after_max_attempts_and_can_be_replayed() {
     let db = TestDb::new(CHAOS_SQL);
     db.send("chaos", [chaos("trap"), chaos("ok")]).await;
     let rt = runtime();
@@ -376,26 +376,38 @@ async fn poison_message_goes_to_dlq_after_max_attempts_and_can_be_replayed() {
         1,
         "the good message is not held up by the poison one"
     );
+    // A crash (the guest panics) is dead-lettered at once: a re-run of the
+    // same message would crash the same way.
     let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!((dead[0].failures, dead[0].deliveries), (4, 4));
+    assert_eq!((dead[0].failures, dead[0].deliveries), (1, 1));
     assert!(
         dead[0].reason.contains("chaos: asked to trap"),
         "reason names the guest's panic: {}",
         dead[0].reason
     );
-    assert!(dead[0].reason.contains("gave up after 4 failed attempts"), "{}", dead[0].reason);
-    // Replay puts it back with its counts reset; it fails again the same way.
+    assert!(
+        dead[0]
+            .reason
+            .contains("not retried: the same message crashes the same way; set queue.retry_crashes = true"),
+        "{}",
+        dead[0].reason
+    );
+    // Replay puts it back with its counts reset; on a queue that retries
+    // crashes it fails its max_attempts times, then is dead-lettered.
     let id = db.store.dead_letter_replay(&dead[0].id).await.unwrap().expect("replayed");
     assert_eq!(db.count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
     assert_eq!(
         db.count(&format!("SELECT attempt + failures FROM onceq_messages WHERE id = '{id}'")),
         0
     );
-    let r2 = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), policy(1, 2));
+    let retrying = onceq::protocol::Policy {
+        retry_crashes: true,
+        ..policy(2, 4)
+    };
+    let r2 = runner(&db.store, "chaos", handler, grants(&["chaos_log"], &[], &[]), retrying);
     drain(&db.store, std::slice::from_ref(&r2)).await;
-    assert_eq!(
-        db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap()[0].failures,
-        2
-    );
+    let dead = db.store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
+    assert_eq!((dead[0].failures, dead[0].deliveries), (4, 4));
+    assert!(dead[0].reason.contains("gave up after 4 failed attempts"), "{}", dead[0].reason);
 }

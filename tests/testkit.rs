@@ -237,7 +237,7 @@ fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
 
 /// The ordinary clock and randomness APIs of a language, through its SDK
 /// and build: the message's logical time, randomness seeded per message;
-/// an uncaught exception is a retry whose reason names it.
+/// an uncaught exception is a crash whose reason names it.
 fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     let kit = cached_kit();
     let component = kit.load(port(lang, "fixtures/sdk")).unwrap();
@@ -265,9 +265,19 @@ fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
         assert_ne!(second[key], first[key], "{lang}: {key} is seeded per message");
     }
     let failed = kit.run(&component, &db, &kit.message("clock", r#"{"throw": true}"#));
-    assert_eq!(failed.outcome, "retry", "{lang}: {failed:?}");
+    // A crash, named as one (not a retry the handler asked for).
+    assert_eq!(failed.outcome, "failed", "{lang}: {failed:?}");
     let reason = failed.reason.unwrap();
-    assert!(reason.contains(&format!("uncaught {bug}")), "{lang}: {reason}");
+    assert!(reason.contains(&format!("handler crashed: uncaught {bug}")), "{lang}: {reason}");
+    assert!(!reason.contains("asked to retry"), "{lang}: {reason}");
+    // Frames name the project's files, not the builder's folders.
+    assert!(
+        !reason.contains("/tmp/") && !reason.contains("file://") && !reason.contains("/0/"),
+        "{lang}: {reason}"
+    );
+    if lang == "python" {
+        assert!(reason.contains("  app.py:"), "{lang}: the handler's frame: {reason}");
+    }
 }
 
 #[test]

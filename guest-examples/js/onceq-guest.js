@@ -263,8 +263,18 @@ export class Ctx {
 }
 
 function describe(e) {
-  if (e instanceof Error) return `${e.name}: ${e.message}${e.stack ? `\n${e.stack}` : ''}`;
+  if (e instanceof Error) return `${e.name}: ${e.message}${e.stack ? `\n${projectStack(e.stack)}` : ''}`;
   return String(e);
+}
+
+// A stack as the project names its files: the folder the builder copied
+// the sources to (a temporary one) is dropped, and so are the SDK's frames.
+function projectStack(stack) {
+  return stack
+    .split('\n')
+    .filter((l) => !l.includes('onceq-guest.js'))
+    .map((l) => l.replace(/(?:file:\/\/)?\/[^\s@()]*\/([^\/\s@():]+\.js)/g, '$1'))
+    .join('\n');
 }
 
 const line = (level) => (...args) =>
@@ -280,8 +290,9 @@ globalThis.console = {
 
 /**
  * The `handler` export for a handler function. An exception other than
- * `Reject`/`Retry` is a retry whose reason names it, so a bug shows up in
- * the dead letter after `max_attempts` instead of as a bare trap.
+ * `Reject`/`Retry` is a crash whose reason names it (a retry whose reason
+ * starts "uncaught ", which the host reads as a crash), so a bug shows up
+ * in the dead letter readable instead of as a bare trap.
  */
 export function defineHandler(handle) {
   return {

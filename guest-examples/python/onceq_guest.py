@@ -230,6 +230,15 @@ _time.monotonic_ns = _time.perf_counter_ns = _still_ns
 _os.urandom = _urandom
 
 
+def _project_path(filename):
+    """A source path as the project names it: componentize-py files each
+    source folder under a number (`/0/app.py`), which is dropped."""
+    parts = filename.split("/")
+    if len(parts) > 2 and parts[0] == "" and parts[1].isdigit():
+        return "/".join(parts[2:])
+    return filename
+
+
 def _describe(e):
     """The exception and its frames, without reading source files (there
     is no filesystem)."""
@@ -237,14 +246,18 @@ def _describe(e):
     tb = e.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        frames.append(f"  {code.co_filename}:{tb.tb_lineno} in {code.co_name}")
+        path = _project_path(code.co_filename)
+        # The SDK's own frame (the call into the handler) is not the bug.
+        if path != "onceq_guest.py":
+            frames.append(f"  {path}:{tb.tb_lineno} in {code.co_name}")
         tb = tb.tb_next
     return "\n".join([f"{type(e).__name__}: {e}"] + frames)
 
 
 def export(handle):
     """The component's export class for a handler function. An exception
-    other than `Reject`/`Retry` is a retry whose reason names it."""
+    other than `Reject`/`Retry` is a crash whose reason names it (a retry
+    whose reason starts "uncaught ", which the host reads as a crash)."""
 
     class Handler(exports.Handler):
         def handle(self, m):
@@ -259,9 +272,10 @@ def export(handle):
             except Retry as e:
                 raise Err(t.HandlerError_Retry(t.RetryLater(str(e), e.delay_ms)))
             except Exception as e:
-                # A bug: retried (counts as an attempt) with a reason naming
-                # it, so it shows in the dead letter after max_attempts
-                # instead of as a bare trap.
+                # A bug: reported as a crash naming it (the host reads a
+                # retry whose reason starts "uncaught " as one), instead of
+                # a bare trap; dead-lettered at once unless the queue sets
+                # retry_crashes.
                 raise Err(t.HandlerError_Retry(t.RetryLater(f"uncaught {_describe(e)}", None)))
             return ctx.effects
 

@@ -603,13 +603,7 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
         n as u64,
         "every message processed"
     );
-    let per_commit = store.commit_group().map_or(1.0, |g| {
-        let (batches, messages) = (
-            g.batches.load(std::sync::atomic::Ordering::Relaxed),
-            g.messages.load(std::sync::atomic::Ordering::Relaxed),
-        );
-        messages as f64 / batches.max(1) as f64
-    });
+    let per_commit = store.commit_stats().map_or(1.0, |s| s.messages as f64 / s.batches.max(1) as f64);
     Run {
         msgs_per_s: n as f64 / secs,
         p50_us: m.latency_quantile(0.5),

@@ -279,14 +279,23 @@ pub async fn send_many(store: &dyn Store, msgs: Vec<SendParams>, chunk: usize) -
     Ok((sent, dup))
 }
 
-/// `onceq check COMPONENT`.
-pub fn check(path: &Path, progress: &dyn Fn(&str)) -> anyhow::Result<(ComponentInfo, Result<(), crate::runtime::DeployError>)> {
-    crate::runtime::announce_large(path, progress);
+/// `onceq check COMPONENT`; with a configuration, through its compiled
+/// cache (what check compiles, `try`, `test` and `run` then read).
+pub fn check(
+    path: &Path,
+    cfg: Option<&Config>,
+    progress: &dyn Fn(&str),
+) -> anyhow::Result<(ComponentInfo, Result<(), crate::runtime::DeployError>)> {
     let runtime = Runtime::new(RuntimeConfig {
         max_instances: 4,
+        cache_dir: cfg.and_then(|c| c.runtime.cache_dir.clone()),
+        cache_max_bytes: cfg.map_or(crate::runtime::cache::DEFAULT_MAX_BYTES, |c| c.runtime.cache_max_bytes),
         ..Default::default()
     })?;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if !runtime.is_cached(&bytes) {
+        crate::runtime::announce_large(path, progress);
+    }
     let (_, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let verdict = runtime.load(&bytes, HandlerLimits::default()).map(|_| ());
     Ok((info, verdict))

@@ -122,8 +122,14 @@ enum Command {
         command: OutboxCommand,
     },
     /// Validate a component against the handler world; print its imports
-    /// and exports.
+    /// and exports. With an onceq.toml, what it compiles goes into the
+    /// compiled cache (`try`, `test` and `run` then read it).
     Check { component: PathBuf },
+    /// The compiled-component cache (`STATE_DIR/cache`).
+    Cache {
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
     /// Run one message through a component against the database, print the
     /// effects, and commit nothing.
     Try {
@@ -202,6 +208,17 @@ enum Command {
     /// The `make run` demo: fresh database, example handlers, 10,000
     /// messages, a summary with invariant checks.
     Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum CacheCommand {
+    /// Remove the least recently used entries until the cache fits
+    /// `runtime.cache_max_bytes` (or --max-bytes; 0 empties it).
+    Prune {
+        /// The bound, e.g. 256MiB (default: runtime.cache_max_bytes).
+        #[arg(long)]
+        max_bytes: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -326,7 +343,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(args).await,
         Command::New { name, lang, dir, sdk } => new_project(&name, &lang, &dir, sdk.as_deref()),
-        Command::Check { component } => check(&component),
+        Command::Check { component } => check(&component, &path),
+        Command::Cache {
+            command: CacheCommand::Prune { max_bytes },
+        } => cache_prune(&cfg()?, max_bytes.as_deref()),
         Command::Init => init(&cfg()?).await,
         Command::Send {
             queue,
@@ -430,6 +450,11 @@ async fn test(cfg: &Config, config: &std::path::Path, files: Vec<PathBuf>, filte
     } else {
         files
     };
+    if let Ok(schema) = crate::testcases::schema(cfg) {
+        for stale in crate::typegen::stale(project_of(config), &schema) {
+            eprintln!("warning: {stale}");
+        }
+    }
     let results = crate::testcases::run(cfg, &files, filter.as_deref(), &|m| eprintln!("{m}")).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&results)?);
@@ -453,9 +478,55 @@ fn new_project(name: &str, lang: &str, dir: &std::path::Path, sdk: Option<&std::
     Ok(ExitCode::SUCCESS)
 }
 
-/// `onceq check`.
-fn check(component: &std::path::Path) -> anyhow::Result<ExitCode> {
-    let (info, verdict) = app::check(component, &|m| eprintln!("{m}"))?;
+/// `onceq cache prune`.
+fn cache_prune(cfg: &Config, max_bytes: Option<&str>) -> anyhow::Result<ExitCode> {
+    let Some(dir) = cfg.runtime.cache_dir.as_ref() else {
+        println!("the compiled cache is off (runtime.cache = false): nothing to prune");
+        return Ok(ExitCode::SUCCESS);
+    };
+    let max = match max_bytes {
+        Some(m) => crate::config::parse_size("--max-bytes", m)? as u64,
+        None => cfg.runtime.cache_max_bytes,
+    };
+    if !dir.exists() {
+        println!("{}: no compiled cache yet", dir.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let p = crate::runtime::cache::prune(dir, max, None).with_context(|| format!("pruning {}", dir.display()))?;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "{}: removed {} entr{} ({:.1} MiB); kept {} ({:.1} MiB, bound {:.1} MiB)",
+        dir.display(),
+        p.removed,
+        if p.removed == 1 { "y" } else { "ies" },
+        mib(p.freed_bytes),
+        p.kept,
+        mib(p.kept_bytes),
+        mib(max)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq check`: through the compiled cache of the configuration when
+/// there is one.
+fn check(component: &std::path::Path, config: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let cfg = if config.exists() {
+        match Config::load(config) {
+            Ok(cfg) => Some(cfg),
+            Err(e) => {
+                eprintln!("note: {} not used (the compiled cache is not written): {e:#}", config.display());
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(schema) = cfg.as_ref().and_then(|c| crate::testcases::schema(c).ok()) {
+        for stale in crate::typegen::stale(project_of(config), &schema) {
+            eprintln!("warning: {stale}");
+        }
+    }
+    let (info, verdict) = app::check(component, cfg.as_ref(), &|m| eprintln!("{m}"))?;
     println!("component: {}", component.display());
     println!("version:   {}", info.version);
     println!("size:      {} bytes", info.size);

@@ -49,6 +49,7 @@ struct RawRuntime {
     max_instances: Option<u32>,
     max_memory: Option<String>,
     cache: Option<bool>,
+    cache_max_bytes: Option<String>,
     reset_dirty_pages: Option<bool>,
 }
 
@@ -78,6 +79,7 @@ struct RawSettings {
     max_attempts: Option<u32>,
     max_deliveries: Option<u32>,
     max_reruns: Option<u32>,
+    retry_crashes: Option<bool>,
     backoff_initial: Option<String>,
     backoff_max: Option<String>,
     workers: Option<usize>,
@@ -107,6 +109,7 @@ struct RawQueue {
     max_attempts: Option<u32>,
     max_deliveries: Option<u32>,
     max_reruns: Option<u32>,
+    retry_crashes: Option<bool>,
     backoff_initial: Option<String>,
     backoff_max: Option<String>,
     workers: Option<usize>,
@@ -472,6 +475,9 @@ impl RawRuntime {
         if self.cache.unwrap_or(true) {
             runtime.cache_dir = Some(state_dir.join("cache"));
         }
+        if let Some(m) = &self.cache_max_bytes {
+            runtime.cache_max_bytes = parse_size("runtime.cache_max_bytes", m)? as u64;
+        }
         Ok(runtime)
     }
 }
@@ -510,6 +516,7 @@ impl RawQueue {
                 .or(d.max_deliveries)
                 .unwrap_or(pd.max_deliveries.max(max_attempts.saturating_mul(2))),
             max_reruns: q.max_reruns.or(d.max_reruns).unwrap_or(pd.max_reruns),
+            retry_crashes: q.retry_crashes.or(d.retry_crashes).unwrap_or(pd.retry_crashes),
             backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
             backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
             workers: q.workers.or(d.workers).unwrap_or(pd.workers),

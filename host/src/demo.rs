@@ -354,6 +354,13 @@ fn sum(runners: &[Arc<QueueRunner>], f: impl Fn(&protocol::Metrics) -> u64) -> u
 /// and the charge file: success only if every one holds.
 async fn summarize(o: &Outcome<'_>, store: &dyn Store, expected: &Expected) -> anyhow::Result<ExitCode> {
     print_counts(o);
+    if let Some(c) = store.commit_stats() {
+        println!(
+            "  group commit               {} batches, {:.1} messages each (leases, renewals and failure records between them)",
+            c.batches,
+            c.messages as f64 / c.batches.max(1) as f64
+        );
+    }
     let checks = invariants(o, store, expected).await?;
     println!();
     println!("invariants");

@@ -100,7 +100,15 @@ pub async fn round(cfg: &Config, project: &Path, command: &str, opts: &DevOption
         return Ok(r);
     }
     r.built = true;
+    if let Ok(schema) = crate::testcases::schema(cfg) {
+        for stale in crate::typegen::stale(project, &schema) {
+            println!("warning: {stale}");
+        }
+    }
     let files = crate::testcases::discover(project);
+    // Per queue, the component versions its test cases ran: only those
+    // are deployed (None: no test files, every loaded component goes).
+    let mut tested: Option<BTreeMap<String, std::collections::BTreeSet<String>>> = None;
     if files.is_empty() {
         println!("no test files (NAME.test.toml): the components are only loaded");
         let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeConfig {
@@ -119,6 +127,15 @@ pub async fn round(cfg: &Config, project: &Path, command: &str, opts: &DevOption
                 print!("{}", crate::testcases::render(&results));
                 r.cases = results.iter().map(|f| f.cases.len()).sum();
                 r.failed = results.iter().map(|f| f.failed()).sum();
+                let mut ran: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+                for f in &results {
+                    for c in &f.cases {
+                        if let Some(report) = &c.report {
+                            ran.entry(f.queue.clone()).or_default().insert(report.version.clone());
+                        }
+                    }
+                }
+                tested = Some(ran);
             }
             Err(e) => {
                 println!("tests could not run: {e:#}");
@@ -137,7 +154,26 @@ pub async fn round(cfg: &Config, project: &Path, command: &str, opts: &DevOption
         }
     };
     for q in &cfg.queues {
-        let bytes = std::fs::read(&q.handler).with_context(|| format!("reading {}", q.handler.display()))?;
+        // A component not built yet (another queue's) is skipped, not the
+        // end of the watch.
+        let bytes = match std::fs::read(&q.handler) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("not deployed to {}: reading {}: {e}", q.name, q.handler.display());
+                continue;
+            }
+        };
+        if let Some(ran) = &tested {
+            let version = crate::deploy::version_of(&bytes);
+            if !ran.get(&q.name).is_some_and(|v| v.contains(&version)) {
+                println!(
+                    "not deployed to {}: no test case ran {} as built now ({version}); a case of this queue must run the queue's own handler",
+                    q.name,
+                    q.handler.display()
+                );
+                continue;
+            }
+        }
         match client.deploy(&q.name, bytes, Some("dev")).await {
             Ok(d) => {
                 println!("deployed {} to {} on the running host", d.version, q.name);

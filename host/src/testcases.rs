@@ -412,12 +412,12 @@ fn check(schema: &Schema, case: &Case, report: &TryReport) -> Vec<String> {
     // missing, the full list below says it all).
     if case.exact && problems.is_empty() {
         for (e, _) in report.effects.iter().zip(&used).filter(|(_, u)| !**u) {
-            problems.push(format!("unexpected {}", show_effect(e)));
+            problems.push(format!("unexpected {}", crate::tryout::show_effect(e)));
         }
     }
     if !problems.is_empty() && !report.effects.is_empty() {
         problems.push("the handler's effects:".into());
-        problems.extend(report.effects.iter().map(|e| format!("  {}", show_effect(e))));
+        problems.extend(report.effects.iter().map(|e| format!("  {}", crate::tryout::show_effect(e))));
     } else if !problems.is_empty() {
         problems.push("the handler had no effects".into());
     }
@@ -437,7 +437,10 @@ fn claim(report: &TryReport, used: &mut [bool], fits: impl Fn(&Effect) -> bool) 
 
 fn write_matches(table: &TableSchema, want: &WriteMatch, got: &RowWrite) -> bool {
     got.table == want.table
-        && want.op.as_deref().is_none_or(|op| op.eq_ignore_ascii_case(op_name(got)))
+        && want
+            .op
+            .as_deref()
+            .is_none_or(|op| op.eq_ignore_ascii_case(crate::tryout::op_name(got)))
         && want.row.iter().all(|(name, v)| {
             let Ok(expected) = typed(table, name, v) else { return false };
             let actual = got.columns.iter().find(|(k, _)| k == name).map(|(_, v)| v);
@@ -489,15 +492,6 @@ fn json_contains(got: &Json, want: &Json) -> bool {
     }
 }
 
-fn op_name(w: &RowWrite) -> &'static str {
-    match w.op {
-        crate::value::WriteOp::Insert => "insert",
-        crate::value::WriteOp::Update => "update",
-        crate::value::WriteOp::Upsert => "upsert",
-        crate::value::WriteOp::Delete => "delete",
-    }
-}
-
 /// An expected write in words, its columns in table order.
 fn describe_write(w: &WriteMatch, table: Option<&TableSchema>) -> String {
     let op = w.op.as_deref().map(|o| format!(" ({o})")).unwrap_or_default();
@@ -541,47 +535,6 @@ fn describe_intent(m: &IntentMatch) -> String {
         s.push_str(&format!(", metadata {k} = {v:?}"));
     }
     s
-}
-
-fn show_value(v: &Value) -> String {
-    match v {
-        Value::Timestamp(us) => crate::names::time(*us),
-        Value::Json(j) => j.clone(),
-        other => other.to_string(),
-    }
-}
-
-fn show_payload(p: &[u8]) -> String {
-    match std::str::from_utf8(p) {
-        Ok(t) => crate::names::truncated(&crate::names::printable(t), 200),
-        Err(_) => format!("<{} binary bytes>", p.len()),
-    }
-}
-
-/// One line per effect, for a failed case.
-pub fn show_effect(e: &Effect) -> String {
-    match e {
-        Effect::Write(w) => format!(
-            "{} {} {{{}}}",
-            op_name(w),
-            w.table,
-            w.columns
-                .iter()
-                .map(|(k, v)| format!("{k}: {}", show_value(v)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        Effect::Enqueue(f) => {
-            let delay = f.delay_ms.map(|d| format!(" after {d} ms")).unwrap_or_default();
-            format!("follow-up on {}{delay}: {}", f.queue, show_payload(&f.payload))
-        }
-        Effect::Intent(i) => format!(
-            "intent for {} keyed {:?}: {}",
-            i.connector,
-            i.idempotency_key,
-            show_payload(&i.payload)
-        ),
-    }
 }
 
 /// Run test files: each file's component loaded once (from the compiled

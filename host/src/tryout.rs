@@ -7,7 +7,7 @@
 use crate::protocol::{self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, ReadScope};
 use crate::schema::Schema;
 use crate::store::Transaction;
-use crate::value::{Effect, Message};
+use crate::value::{Effect, Message, RowWrite, Value};
 use std::sync::Arc;
 
 /// What one message did.
@@ -24,6 +24,8 @@ pub struct TryReport {
     pub reads: u64,
     /// For "retry": the delay the handler asked for.
     pub retry_after_ms: Option<u64>,
+    /// The effects in words, one line each, timestamps as RFC 3339 times.
+    pub shown: Vec<String>,
 }
 
 impl TryReport {
@@ -59,9 +61,10 @@ pub async fn run(
         version: handler.version().to_string(),
         outcome: outcome.to_string(),
         reason,
-        effects,
         reads,
         retry_after_ms,
+        shown: effects.iter().map(show_effect).collect(),
+        effects,
     };
     let out = match (violation, result) {
         (Some(f), _) if !f.is_own() => report("deferred", Some(f.recorded_reason()), vec![], None),
@@ -80,6 +83,57 @@ pub async fn run(
     };
     tx.rollback().await;
     out
+}
+
+/// The operation of a write, as a test file names it.
+pub fn op_name(w: &RowWrite) -> &'static str {
+    match w.op {
+        crate::value::WriteOp::Insert => "insert",
+        crate::value::WriteOp::Update => "update",
+        crate::value::WriteOp::Upsert => "upsert",
+        crate::value::WriteOp::Delete => "delete",
+    }
+}
+
+fn show_value(v: &Value) -> String {
+    match v {
+        Value::Timestamp(us) => crate::names::time(*us),
+        Value::Json(j) => j.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn show_payload(p: &[u8]) -> String {
+    match std::str::from_utf8(p) {
+        Ok(t) => crate::names::truncated(&crate::names::printable(t), 200),
+        Err(_) => format!("<{} binary bytes>", p.len()),
+    }
+}
+
+/// One line per effect, for a failed case.
+pub fn show_effect(e: &Effect) -> String {
+    match e {
+        Effect::Write(w) => format!(
+            "{} {} {{{}}}",
+            op_name(w),
+            w.table,
+            w.columns
+                .iter()
+                .map(|(k, v)| format!("{k}: {}", show_value(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Effect::Enqueue(f) => {
+            let delay = f.delay_ms.map(|d| format!(" after {d} ms")).unwrap_or_default();
+            format!("follow-up on {}{delay}: {}", f.queue, show_payload(&f.payload))
+        }
+        Effect::Intent(i) => format!(
+            "intent for {} keyed {:?}: {}",
+            i.connector,
+            i.idempotency_key,
+            show_payload(&i.payload)
+        ),
+    }
 }
 
 #[cfg(test)]

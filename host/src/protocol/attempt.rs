@@ -247,6 +247,12 @@ impl QueueRunner {
             Next::DeadLetter if matches!(failure, HandlerFailure::Reject(_) | HandlerFailure::Undelivered { .. }) => {
                 Step::Dead(reason(failure.to_string()), true)
             }
+            Next::DeadLetter if failure.is_crash() && failures.saturating_add(1) < policy.max_attempts => Step::Dead(
+                reason(format!(
+                    "{failure} (not retried: the same message crashes the same way; set queue.retry_crashes = true to retry crashes)"
+                )),
+                true,
+            ),
             Next::DeadLetter if failures.saturating_add(1) < policy.max_attempts => Step::Dead(
                 reason(format!("{failure} (not retried: every attempt would fail the same way)")),
                 true,
@@ -421,7 +427,7 @@ mod tests {
         Arc::new(NativeHandler::new("failing", |_m, scope| async move {
             HandleOutput {
                 scope,
-                result: Err(HandlerFailure::Crash("boom".into())),
+                result: Err(HandlerFailure::Refused("boom".into())),
             }
         }))
     }

@@ -51,6 +51,12 @@ pub enum HandlerFailure {
     Host(HostTrouble),
 }
 
+/// How the guest SDKs (JavaScript, Python) report an exception the handler
+/// did not catch: a `retry` whose reason starts with this (the WIT has no
+/// crash case). The host reads it as the crash it is
+/// ([`HandlerFailure::from_retry`]).
+pub const UNCAUGHT: &str = "uncaught ";
+
 /// The host's own trouble during an attempt. The message is not charged a
 /// failure for it: it is deferred (visible again after a backoff), and a
 /// warning says why.
@@ -68,6 +74,21 @@ pub enum HostTrouble {
 }
 
 impl HandlerFailure {
+    /// What a handler's `retry` means: a retry it asked for, or, with the
+    /// SDKs' [`UNCAUGHT`] reason, an exception it did not catch (a crash).
+    pub fn from_retry(reason: String, delay: Option<Duration>) -> HandlerFailure {
+        match (reason.strip_prefix(UNCAUGHT), delay) {
+            (Some(what), None) => HandlerFailure::Crash(format!("uncaught {what}")),
+            _ => HandlerFailure::Retry { reason, delay },
+        }
+    }
+
+    /// A crash of the guest: the same message, logical time and seed crash
+    /// it the same way again unless what it reads changed.
+    pub fn is_crash(&self) -> bool {
+        matches!(self, HandlerFailure::Crash(_) | HandlerFailure::Exit(_) | HandlerFailure::Memory(_))
+    }
+
     /// A failure of the message's own (counted toward `max_attempts`), or
     /// the host's trouble (deferred, not counted).
     pub fn is_own(&self) -> bool {

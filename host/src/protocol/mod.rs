@@ -97,12 +97,8 @@ pub struct Policy {
     /// Retry delay cap.
     pub backoff_max: Duration,
     /// Concurrent workers (tokio tasks) on this queue. The default, 16, by
-    /// measurement (`make bench`, through the CLI, 20,000 payments messages,
-    /// intents to a file connector): with 16 message workers and 16 outbox
-    /// workers 6,900-7,400 msg/s, 4,000 with 4 and 4; each worker holds one
-    /// live instance at most, and the JavaScript and Python payments
-    /// examples ran no slower with 16 (host RSS 100 MiB either way for
-    /// JavaScript, 150 against 106 MiB for Python).
+    /// measurement through the CLI (docs/src/benchmarks.md); each worker
+    /// holds one live instance at most.
     pub workers: usize,
     /// Messages leased per round trip.
     pub batch: usize,
@@ -112,6 +108,11 @@ pub struct Policy {
     pub max_reruns: u32,
     /// Longest pause between polls of an empty queue.
     pub poll_max: Duration,
+    /// Retry crashes (a trap, a panic, an uncaught exception, `exit`, the
+    /// memory limit) like other failures (`retry_crashes`). Off, a crash
+    /// dead-letters at once: a re-run gets the same message, logical time
+    /// and seed, so it crashes the same way unless what it reads changed.
+    pub retry_crashes: bool,
 }
 
 impl Default for Policy {
@@ -126,6 +127,7 @@ impl Default for Policy {
             batch: 8,
             max_reruns: 20,
             poll_max: Duration::from_millis(200),
+            retry_crashes: false,
         }
     }
 }

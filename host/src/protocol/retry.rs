@@ -82,6 +82,7 @@ impl Policy {
             HandlerFailure::Reject(_) | HandlerFailure::Effect(_) => Next::DeadLetter,
             HandlerFailure::Undelivered { retry: false, .. } => Next::DeadLetter,
             HandlerFailure::Read(e) if e.is_deterministic() => Next::DeadLetter,
+            f if f.is_crash() && !self.retry_crashes => Next::DeadLetter,
             _ if failed >= self.max_attempts => Next::DeadLetter,
             HandlerFailure::Retry { delay: Some(d), .. } | HandlerFailure::Undelivered { after: Some(d), .. } => {
                 Next::RetryAfter((*d).min(max_delay))
@@ -176,7 +177,7 @@ mod tests {
     fn failures_retry_until_max_attempts_and_rejects_dead_letter_at_once() {
         let p = policy();
         let year = Duration::from_secs(365 * 24 * 3600);
-        let failed = HandlerFailure::Crash("trap".into());
+        let failed = HandlerFailure::Deadline(Duration::from_secs(1));
         assert!(matches!(p.after_failure(&failed, 0, 1, year), Next::RetryAfter(_)));
         assert!(matches!(p.after_failure(&failed, 3, 9, year), Next::RetryAfter(_)));
         assert_eq!(p.after_failure(&failed, 4, 5, year), Next::DeadLetter, "the fifth failure");
@@ -218,9 +219,46 @@ mod tests {
     fn only_failures_count_toward_max_attempts() {
         let p = policy();
         let year = Duration::from_secs(365 * 24 * 3600);
-        let failed = HandlerFailure::Crash("boom".into());
+        let failed = HandlerFailure::Refused("CHECK constraint failed".into());
         assert!(matches!(p.after_failure(&failed, 0, 7, year), Next::RetryAfter(_)));
         assert!(matches!(p.after_failure(&failed, 0, 50, year), Next::RetryAfter(_)));
+    }
+
+    #[test]
+    fn a_crash_is_dead_lettered_at_once_unless_the_queue_retries_crashes() {
+        let year = Duration::from_secs(365 * 24 * 3600);
+        let crashes = [
+            HandlerFailure::Crash("trap: unreachable".into()),
+            HandlerFailure::Exit(3),
+            HandlerFailure::Memory(1 << 20),
+            HandlerFailure::from_retry("uncaught TypeError: x is null".into(), None),
+        ];
+        for crash in &crashes {
+            assert!(crash.is_crash(), "{crash:?}");
+            assert_eq!(policy().after_failure(crash, 0, 1, year), Next::DeadLetter, "{crash:?}");
+            let retrying = Policy {
+                retry_crashes: true,
+                ..policy()
+            };
+            assert!(
+                matches!(retrying.after_failure(crash, 0, 1, year), Next::RetryAfter(_)),
+                "{crash:?}"
+            );
+            assert_eq!(
+                retrying.after_failure(crash, 4, 5, year),
+                Next::DeadLetter,
+                "max_attempts still applies"
+            );
+        }
+        // What the handler asked for stays a retry, also with that wording
+        // when it gives a delay; a deadline is retried.
+        let asked = HandlerFailure::from_retry("uncaught? no: later".into(), None);
+        assert!(matches!(asked, HandlerFailure::Retry { .. }), "{asked:?}");
+        let delayed = HandlerFailure::from_retry("uncaught x".into(), Some(Duration::from_secs(1)));
+        assert!(matches!(delayed, HandlerFailure::Retry { .. }), "{delayed:?}");
+        let deadline = HandlerFailure::Deadline(Duration::from_secs(1));
+        assert!(!deadline.is_crash());
+        assert!(matches!(policy().after_failure(&deadline, 0, 1, year), Next::RetryAfter(_)));
     }
 
     /// The host's trouble is deferred, never counted, whatever the counts;

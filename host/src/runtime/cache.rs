@@ -17,33 +17,93 @@
 //! that a file was produced by a compatible engine and refuses any other;
 //! a refused or unreadable entry is removed and the component recompiled.
 //! Entries are written to a temporary file and renamed into place, so a
-//! crash never leaves a partial entry under a real name. The folder keeps
-//! the [`KEEP`] most recently written entries.
+//! crash never leaves a partial entry under a real name.
+//!
+//! Bounded (`runtime.cache_max_bytes`): a hit marks its entry used (its
+//! modification time), and after each write the least recently used
+//! entries are removed until the folder fits; `onceq cache prune` does the
+//! same on demand.
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use wasmtime::component::Component;
 use wasmtime::Engine;
 
-/// Entries kept (the oldest beyond this are removed after a write).
-pub const KEEP: usize = 32;
+/// The default bound of the folder (`runtime.cache_max_bytes`): a dozen
+/// JavaScript or Python components, hundreds of Rust ones.
+pub const DEFAULT_MAX_BYTES: u64 = 512 << 20;
 
 /// A folder of compiled components for one engine configuration.
 pub struct CodeCache {
     dir: PathBuf,
     engine_key: String,
+    max_bytes: u64,
+}
+
+/// What a prune did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Pruned {
+    pub removed: usize,
+    pub freed_bytes: u64,
+    pub kept: usize,
+    pub kept_bytes: u64,
+}
+
+/// Remove the least recently used entries of the cache folder `dir` until
+/// they total at most `max_bytes`, sparing `keep` (an entry just written);
+/// and temporary files a crash left behind (older than an hour). Entries
+/// of every engine are counted (a wasmtime upgrade leaves the old ones to
+/// age out).
+pub fn prune(dir: &Path, max_bytes: u64, keep: Option<&Path>) -> std::io::Result<Pruned> {
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
+    for e in std::fs::read_dir(dir)?.filter_map(Result::ok) {
+        let path = e.path();
+        let Some(meta) = e.metadata().ok() else { continue };
+        let modified = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+        if path.extension().is_some_and(|x| x == "cwasm") {
+            entries.push((modified, meta.len(), path));
+        } else if e.file_name().to_string_lossy().starts_with(".tmp-") && modified < hour_ago {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    entries.sort();
+    let mut total: u64 = entries.iter().map(|(_, len, _)| len).sum();
+    let mut out = Pruned::default();
+    for (_, len, path) in &entries {
+        if total <= max_bytes {
+            break;
+        }
+        if keep.is_some_and(|k| k == path) {
+            continue;
+        }
+        if std::fs::remove_file(path).is_ok() {
+            total = total.saturating_sub(*len);
+            out.removed += 1;
+            out.freed_bytes += len;
+        }
+    }
+    out.kept = entries.len() - out.removed;
+    out.kept_bytes = total;
+    Ok(out)
 }
 
 impl CodeCache {
     /// Open (create) the folder.
-    pub fn open(dir: &Path, engine: &Engine) -> anyhow::Result<CodeCache> {
+    pub fn open(dir: &Path, engine: &Engine, max_bytes: u64) -> anyhow::Result<CodeCache> {
         std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("creating the compiled-component cache {}: {e}", dir.display()))?;
         let mut h = std::collections::hash_map::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut h);
         Ok(CodeCache {
             dir: dir.to_path_buf(),
             engine_key: format!("{:016x}", h.finish()),
+            max_bytes,
         })
+    }
+
+    /// Whether the compiled component for bytes of SHA-256 `digest` is here.
+    pub fn has(&self, digest: &[u8]) -> bool {
+        self.entry(digest).is_file()
     }
 
     fn entry(&self, digest: &[u8]) -> PathBuf {
@@ -66,7 +126,13 @@ impl CodeCache {
             #[allow(unsafe_code)]
             let cached = unsafe { Component::deserialize(engine, &code) };
             match cached {
-                Ok(c) => return Ok(c),
+                Ok(c) => {
+                    // Used now: the last entry a prune removes.
+                    if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+                        let _ = f.set_modified(std::time::SystemTime::now());
+                    }
+                    return Ok(c);
+                }
                 Err(e) => {
                     tracing::warn!(path = %path.display(), "compiled-component cache entry refused, recompiling: {e:#}");
                     let _ = std::fs::remove_file(&path);
@@ -88,32 +154,53 @@ impl CodeCache {
             let _ = std::fs::remove_file(&tmp);
             return Err(e.into());
         }
-        self.prune();
+        self.prune(path);
         Ok(())
     }
 
-    /// Keep the [`KEEP`] newest entries; remove temporary files a crash
-    /// left behind (older than an hour).
-    fn prune(&self) {
-        let Ok(rd) = std::fs::read_dir(&self.dir) else { return };
-        let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
-        let mut entries: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
-        for e in rd.filter_map(Result::ok) {
-            let (path, Some(modified)) = (e.path(), e.metadata().ok().and_then(|m| m.modified().ok())) else {
-                continue;
-            };
-            if path.extension().is_some_and(|x| x == "cwasm") {
-                entries.push((modified, path));
-            } else if e.file_name().to_string_lossy().starts_with(".tmp-") && modified < hour_ago {
-                let _ = std::fs::remove_file(&path);
+    /// Fit the folder in its bound, sparing the entry at `written`.
+    fn prune(&self, written: &Path) {
+        if let Err(e) = prune(&self.dir, self.max_bytes, Some(written)) {
+            tracing::warn!(dir = %self.dir.display(), "could not prune the compiled-component cache: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn prune_removes_the_least_recently_used_until_the_folder_fits() {
+        let dir = tempfile::tempdir().unwrap();
+        let put = |name: &str, len: usize, age_s: u64| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, vec![0u8; len]).unwrap();
+            let f = std::fs::File::options().write(true).open(&p).unwrap();
+            f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age_s))
+                .unwrap();
+            p
+        };
+        let oldest = put("a.cwasm", 100, 300);
+        let used = put("b.cwasm", 100, 200);
+        let newest = put("c.cwasm", 100, 100);
+        let just_written = put("d.cwasm", 100, 400); // oldest time, but spared
+        std::fs::write(dir.path().join("other.txt"), b"not an entry").unwrap();
+        let pruned = prune(dir.path(), 250, Some(&just_written)).unwrap();
+        assert_eq!(
+            pruned,
+            Pruned {
+                removed: 2,
+                freed_bytes: 200,
+                kept: 2,
+                kept_bytes: 200
             }
-        }
-        if entries.len() <= KEEP {
-            return;
-        }
-        entries.sort();
-        for (_, p) in &entries[..entries.len() - KEEP] {
-            let _ = std::fs::remove_file(p);
-        }
+        );
+        assert!(!oldest.exists() && !used.exists());
+        assert!(newest.exists() && just_written.exists());
+        assert!(dir.path().join("other.txt").exists(), "only entries are removed");
+        let all = prune(dir.path(), 0, None).unwrap();
+        assert_eq!((all.removed, all.kept, all.kept_bytes), (2, 0, 0));
     }
 }

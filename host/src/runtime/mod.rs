@@ -60,6 +60,9 @@ pub struct RuntimeConfig {
     /// [`cache`]), so a restart or a redeploy of known bytes does not
     /// recompile. `None`: no cache.
     pub cache_dir: Option<std::path::PathBuf>,
+    /// The cache folder's bound (`runtime.cache_max_bytes`): least recently
+    /// used entries are removed past it.
+    pub cache_max_bytes: u64,
     /// How a finished instance's memory is made fresh for the next one.
     /// `true` (default): find the pages it dirtied (Linux's PAGEMAP_SCAN,
     /// where the kernel has it) and reset only those; best for the large
@@ -82,6 +85,7 @@ impl Default for RuntimeConfig {
             max_instances: 128,
             max_memory: 64 << 20,
             cache_dir: None,
+            cache_max_bytes: cache::DEFAULT_MAX_BYTES,
             reset_dirty_pages: true,
         }
     }
@@ -187,7 +191,7 @@ impl Runtime {
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("creating the wasmtime engine: {e}"))?;
         let cache = match &config.cache_dir {
-            Some(dir) => Some(cache::CodeCache::open(dir, &engine)?),
+            Some(dir) => Some(cache::CodeCache::open(dir, &engine, config.cache_max_bytes)?),
             None => None,
         };
         let mut linker = Linker::<HostState>::new(&engine);
@@ -215,6 +219,12 @@ impl Runtime {
             cache,
             _ticker: EpochTicker { stop },
         })
+    }
+
+    /// Whether `bytes` are compiled already in the on-disk cache (loading
+    /// them reads the compiled code).
+    pub fn is_cached(&self, bytes: &[u8]) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.has(&sha2::Sha256::digest(bytes)))
     }
 
     /// Check and compile a component, without preparing it for a queue.
@@ -314,8 +324,13 @@ impl Runtime {
         progress: &dyn Fn(&str),
     ) -> anyhow::Result<WasmHandler> {
         let started = std::time::Instant::now();
-        announce_large(path, progress);
-        let handler = self.load_file(path, limits)?;
+        let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
+        if !self.is_cached(&bytes) {
+            announce_large(path, progress);
+        }
+        let handler = self
+            .load(&bytes, limits)
+            .map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))?;
         let took = started.elapsed();
         if took > std::time::Duration::from_secs(2) {
             progress(&format!("compiled {} in {:.1} s", path.display(), took.as_secs_f64()));
@@ -704,10 +719,7 @@ impl Handler for WasmHandler {
         let last_stderr = drain_stdio(&state.wasi);
         let result = match r {
             Ok(Ok(effects)) => Ok(effects.into_iter().map(effect_from_wit).collect()),
-            Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::Retry {
-                reason: r.reason,
-                delay: r.delay_ms.map(Duration::from_millis),
-            }),
+            Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::from_retry(r.reason, r.delay_ms.map(Duration::from_millis))),
             Ok(Err(wit::HandlerError::Reject(reason))) => Err(HandlerFailure::Reject(reason)),
             // A read the store did not answer in time: the store's
             // trouble, not the handler's.

@@ -36,7 +36,6 @@
 //! wait is in it.
 
 use super::*;
-use crate::gather::Gather;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
@@ -343,12 +342,11 @@ pub trait BatchCommit: Send + Sync {
     fn blocks(&self) -> bool;
 }
 
-/// What the committer is told: commits are waiting ([`Group::commit`]
-/// pushed one into its [`Gather`]), other work to run between two batches
-/// ([`Group::run`]), or a request to stop between two batches for a
-/// message that must go first ([`Group::hold`]).
+/// What the committer is given: a message to commit with others, other
+/// work to run between two batches ([`Group::run`]), or a request to stop
+/// between two batches for a message that must go first ([`Group::hold`]).
 enum Job {
-    Commits,
+    Commit(Pending, oneshot::Sender<StoreResult<()>>),
     Run(Pin<Box<dyn Future<Output = ()> + Send>>),
     Hold(oneshot::Sender<Hold>),
 }
@@ -387,25 +385,20 @@ impl Hold {
 pub const HOLD_MAX: Duration = Duration::from_millis(500);
 
 /// Group commit: see the module docs. One committer per store takes
-/// what is waiting (up to `max_batch`) and commits it while the workers go
+/// what is queued (up to `max_batch`) and commits it while the workers go
 /// on handling messages; a worker waits only for its own message's result.
 ///
 /// It is built with its driver and starts its committer on first use (on
 /// a thread of its own when the driver blocks, else as a task of the
-/// caller's runtime). Commits wait in a [`Gather`]; the committer takes
-/// them when the driver collects. The backlog is bounded
-/// ([`BACKLOG_PER_BATCH`] batches): a caller waits while it is full.
-/// [`Group::stop`] lets the committer commit what waits and end.
+/// caller's runtime). Its backlog is bounded ([`BACKLOG_PER_BATCH`] batches
+/// of jobs): a caller waits while it is full. [`Group::stop`] lets the
+/// committer commit what is queued and end.
 pub struct Group {
     options: CommitOptions,
-    /// The store's batch commit (with injected faults, in tests).
+    /// The store's batch commit (with the injected faults of
+    /// `options.faults`, if any).
     driver: Arc<dyn BatchCommit>,
-    /// Commits waiting for the committer.
-    commits: Arc<Gather<Waiting, StoreResult<()>>>,
-    /// Room in the backlog: a commit takes a permit before it waits, and
-    /// gives it back when the committer takes it.
-    room: Arc<tokio::sync::Semaphore>,
-    /// The committer's jobs, and its end, once started.
+    /// The committer's queue, and its end, once started.
     queue: Mutex<Option<Committer>>,
     /// [`Group::stop`] was called: nothing more is taken.
     stopped: std::sync::atomic::AtomicBool,
@@ -418,12 +411,12 @@ pub struct Group {
 
 /// A running committer: where jobs go, and what says it ended.
 struct Committer {
-    jobs: mpsc::UnboundedSender<Job>,
+    jobs: mpsc::Sender<Job>,
     ended: tokio::sync::watch::Receiver<bool>,
 }
 
-/// The committer's backlog, in batches of `max_batch` commits: callers
-/// wait when more is waiting.
+/// The committer's backlog, in batches of `max_batch` jobs: callers wait
+/// when more is queued.
 pub const BACKLOG_PER_BATCH: usize = 4;
 
 impl Group {
@@ -435,12 +428,12 @@ impl Group {
             Some(plan) => super::faulty::FaultyBatch::wrap(driver, plan, faults.clone()),
             None => driver,
         };
-        let max_batch = options.max_batch.max(1);
         Group {
-            options: CommitOptions { max_batch, ..options },
+            options: CommitOptions {
+                max_batch: options.max_batch.max(1),
+                ..options
+            },
             driver,
-            commits: Arc::new(Gather::default()),
-            room: Arc::new(tokio::sync::Semaphore::new(max_batch.saturating_mul(BACKLOG_PER_BATCH).max(16))),
             queue: Mutex::new(None),
             stopped: std::sync::atomic::AtomicBool::new(false),
             batches: Default::default(),
@@ -466,19 +459,9 @@ impl Group {
 
     /// Commit `p` with whatever else is being committed now; its own result.
     pub async fn commit(&self, p: Pending) -> StoreResult<()> {
-        if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(closing());
-        }
-        let room = self.room.clone().acquire_owned().await.map_err(|_| closing())?;
-        let answer = self.commits.push(Waiting {
-            pending: p,
-            _room: Some(room),
-        });
-        if let Err(e) = self.send(Job::Commits).await {
-            // Nobody will take what waits: answer it all, this one too.
-            self.fail_waiting(&e);
-        }
-        answer.await.unwrap_or_else(|_| {
+        let (tx, rx) = oneshot::channel();
+        self.send(Job::Commit(p, tx)).await?;
+        rx.await.unwrap_or_else(|_| {
             Err(StoreError::UnknownOutcome(
                 "the committer stopped during this message's batch".into(),
             ))
@@ -513,40 +496,34 @@ impl Group {
             .map_err(|_| StoreError::Unavailable("the committer stopped before it could hold".into()))
     }
 
-    /// Take nothing more, let the committer commit what waits, and wait for
-    /// it to end. Commits asked for after this fail (unavailable: nothing
-    /// was written).
+    /// Take nothing more, let the committer commit what is queued, and
+    /// wait for it to end. Commits asked for after this fail (unavailable:
+    /// nothing was written).
     pub async fn stop(&self) {
         self.stopped.store(true, std::sync::atomic::Ordering::Relaxed);
         let ended = match self.queue.lock() {
-            // Dropping the sender: the committer ends once its jobs are done.
+            // Dropping the sender: the committer ends once the queue is empty.
             Ok(mut q) => q.take().map(|c| c.ended),
             Err(_) => None,
         };
         if let Some(mut ended) = ended {
             let _ = ended.wait_for(|e| *e).await;
         }
-        // A commit that raced the stop is answered, not left waiting.
-        self.fail_waiting(&closing());
     }
 
-    /// Answer every waiting commit with `e` (nothing of them was written).
-    fn fail_waiting(&self, e: &StoreError) {
-        let collector = self.commits.collector(usize::MAX);
-        drop(collector.take());
-        collector.answer(std::iter::empty(), || Err(e.clone()));
-    }
-
-    /// Give the committer `job`, starting one if there is none (or it is
-    /// gone).
+    /// Queue `job` for the committer, starting one if there is none (or it
+    /// is gone); waits while the backlog is full.
     async fn send(&self, job: Job) -> StoreResult<()> {
         let mut job = Some(job);
         for _ in 0..2 {
             if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(closing());
+                return Err(StoreError::Unavailable("the store is closing: its committer has stopped".into()));
             }
             let sender = self.sender()?;
-            match sender.send(job.take().ok_or_else(|| StoreError::Invariant("job sent twice".into()))?) {
+            match sender
+                .send(job.take().ok_or_else(|| StoreError::Invariant("job sent twice".into()))?)
+                .await
+            {
                 Ok(()) => return Ok(()),
                 Err(mpsc::error::SendError(j)) => job = Some(j), // the committer is gone: start another
             }
@@ -554,8 +531,8 @@ impl Group {
         Err(StoreError::Unavailable("the committer could not be started".into()))
     }
 
-    /// The running committer's jobs, starting it if needed.
-    fn sender(&self) -> StoreResult<mpsc::UnboundedSender<Job>> {
+    /// The running committer's queue, starting it if needed.
+    fn sender(&self) -> StoreResult<mpsc::Sender<Job>> {
         let mut q = self
             .queue
             .lock()
@@ -563,21 +540,14 @@ impl Group {
         if let Some(c) = q.as_ref().filter(|c| !c.jobs.is_closed()) {
             return Ok(c.jobs.clone());
         }
-        let (jobs, r) = mpsc::unbounded_channel();
+        let (jobs, r) = mpsc::channel(self.options.max_batch.saturating_mul(BACKLOG_PER_BATCH).max(16));
         let (ended_tx, ended) = tokio::sync::watch::channel(false);
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|e| StoreError::Unavailable(format!("no runtime to start the committer on: {e}")))?;
         // On a single-threaded runtime (tests with a paused clock) the
         // committer shares its one thread anyway.
         let own_thread = self.driver.blocks() && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
-        let run = committer(Committing {
-            jobs: r,
-            commits: self.commits.clone(),
-            driver: self.driver.clone(),
-            options: self.options,
-            batches: self.batches.clone(),
-            messages: self.messages.clone(),
-        });
+        let run = committer(r, self.driver.clone(), self.options, self.batches.clone(), self.messages.clone());
         let run = async move {
             run.await;
             ended_tx.send_replace(true);
@@ -590,17 +560,6 @@ impl Group {
         *q = Some(Committer { jobs: jobs.clone(), ended });
         Ok(jobs)
     }
-}
-
-/// A commit waiting for the committer, holding its room in the backlog
-/// until taken (a held commit, which goes first, holds none).
-struct Waiting {
-    pending: Pending,
-    _room: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-fn closing() -> StoreError {
-    StoreError::Unavailable("the store is closing: its committer has stopped".into())
 }
 
 /// Run a committer whose commits block on a thread of its own, on a
@@ -621,68 +580,82 @@ fn on_own_thread(run: impl Future<Output = ()> + Send + 'static) -> StoreResult<
         .map_err(|e| StoreError::Unavailable(format!("could not start the committer thread: {e}")))
 }
 
-/// What the committer works with.
-struct Committing {
-    jobs: mpsc::UnboundedReceiver<Job>,
-    commits: Arc<Gather<Waiting, StoreResult<()>>>,
+/// The committer: take what is queued (up to `max_batch`, after waiting
+/// `max_wait` for more), commit it, hand out the results, then run the
+/// other work queued meanwhile and serve the holds; until every sender is
+/// gone (the store was dropped).
+async fn committer(
+    mut rx: mpsc::Receiver<Job>,
     driver: Arc<dyn BatchCommit>,
     options: CommitOptions,
     batches: Arc<std::sync::atomic::AtomicU64>,
     messages: Arc<std::sync::atomic::AtomicU64>,
-}
-
-/// The committer: on each job, commit what waits (up to `max_batch` at a
-/// time, after waiting `max_wait` for more), hand out the results, run the
-/// work and serve the holds, in the order given; until every sender is
-/// gone (the store was dropped or stopped), what waits committed first.
-async fn committer(mut c: Committing) {
-    while let Some(job) = c.jobs.recv().await {
-        match job {
-            Job::Commits => {}
-            Job::Run(work) => work.await,
-            Job::Hold(grant) => {
-                if let Some((first, answer)) = held(grant).await {
-                    c.commits.push_front_to(
-                        Waiting {
-                            pending: first,
-                            _room: None,
-                        },
-                        answer,
-                    );
+) {
+    // Work and holds met while collecting a batch, for after it, in order.
+    let mut carried: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
+    loop {
+        let job = match carried.pop_front() {
+            Some(job) => job,
+            None => match rx.recv().await {
+                Some(job) => job,
+                None => break,
+            },
+        };
+        let first = match job {
+            Job::Commit(p, tx) => (p, tx),
+            Job::Run(work) => {
+                work.await;
+                continue;
+            }
+            Job::Hold(grant) => match held(grant).await {
+                Some(first) => first,
+                None => continue,
+            },
+        };
+        if !options.max_wait.is_zero() {
+            tokio::time::sleep(options.max_wait).await;
+        }
+        // The first job, then the commits queued when the driver collects
+        // (up to max_batch), their senders in the same order, and the other
+        // jobs queued among them, for after the batch.
+        let queue = Mutex::new((Some(first), &mut rx, Vec::new(), &mut carried));
+        let collect = || {
+            let mut q = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let (first, rx, senders, later) = &mut *q;
+            let mut batch = Vec::new();
+            let mut next = first.take();
+            while let Some((p, tx)) = next {
+                batch.push(p);
+                senders.push(tx);
+                next = None;
+                while senders.len() < options.max_batch {
+                    match rx.try_recv() {
+                        Ok(Job::Commit(p, tx)) => {
+                            next = Some((p, tx));
+                            break;
+                        }
+                        Ok(other) => later.push_back(other),
+                        Err(_) => break,
+                    }
                 }
             }
+            batch
+        };
+        let results = driver.commit_collected(&collect).await;
+        let (first, _, senders, _) = queue.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, tx)) = first {
+            // The driver never collected: it has no result for this job.
+            let _ = tx.send(Err(StoreError::Permanent("the batch commit collected nothing".into())));
         }
-        while !c.commits.is_empty() {
-            c.batch().await;
+        batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        messages.fetch_add(senders.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut results = results.into_iter();
+        for tx in senders {
+            let r = results
+                .next()
+                .unwrap_or_else(|| Err(StoreError::Permanent("batch commit returned too few results".into())));
+            let _ = tx.send(r);
         }
-    }
-}
-
-impl Committing {
-    /// One batch of what waits, collected when the driver can start.
-    async fn batch(&self) {
-        if !self.options.max_wait.is_zero() {
-            tokio::time::sleep(self.options.max_wait).await;
-        }
-        let collector = self.commits.collector(self.options.max_batch);
-        let collect = || collector.take().into_iter().map(|w| w.pending).collect();
-        let results = self.driver.commit_collected(&collect).await;
-        let n = collector.len();
-        if n == 0 {
-            // The driver never collected: answer the oldest commit so that
-            // the committer cannot spin on it (no driver does this).
-            let oldest = self.commits.collector(1);
-            drop(oldest.take());
-            oldest.answer(std::iter::empty(), || {
-                Err(StoreError::Invariant("the batch commit collected nothing".into()))
-            });
-            return;
-        }
-        self.batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.messages.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-        collector.answer(results, || {
-            Err(StoreError::Invariant("the batch commit returned too few results".into()))
-        });
     }
 }
 
@@ -934,23 +907,21 @@ mod tests {
             ..CommitOptions::default()
         };
         let group = Arc::new(Group::new(options, Arc::new(Slow(committed.clone()))));
+        let sent = Arc::new(AtomicUsize::new(0));
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..200 {
-            let g = group.clone();
-            tasks.spawn(async move { g.commit(pending(&format!("m-{i}"))).await });
+            let (g, s) = (group.clone(), sent.clone());
+            tasks.spawn(async move {
+                let (tx, _rx) = oneshot::channel();
+                g.send(Job::Commit(pending(&format!("m-{i}")), tx)).await.unwrap();
+                s.fetch_add(1, Ordering::Relaxed);
+            });
         }
-        // Sample while the slow committer works through them: the backlog
-        // holds at most max(2 x 4, 16) commits; the other callers wait.
-        let mut most = 0;
-        while committed.load(Ordering::Relaxed) < 100 {
-            most = most.max(group.commits.len());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert!(most > 0, "commits waited for the committer");
-        assert!(most <= 16, "{most} commits waiting at once, beyond the bound");
-        while let Some(r) = tasks.join_next().await {
-            assert!(r.unwrap().is_ok(), "every caller that waited was committed");
-        }
-        assert_eq!(committed.load(Ordering::Relaxed), 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let queued = sent.load(Ordering::Relaxed).saturating_sub(committed.load(Ordering::Relaxed));
+        // The queue holds at most max(2 x 4, 16) jobs, one batch is being
+        // committed, and a few senders may be between their send and count.
+        assert!(queued <= 16 + 2 + 4, "{queued} jobs queued beyond the committer");
+        tasks.abort_all();
     }
 }
