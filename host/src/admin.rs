@@ -106,6 +106,8 @@ impl Admin {
         self.ready.store(true, Relaxed);
     }
 
+    // The error is the route's own answer, returned as it is.
+    #[allow(clippy::result_large_err)]
     fn serving(&self) -> Result<&Serving, Response> {
         self.serving.get().ok_or_else(|| {
             let what = self.starting.lock().map(|s| s.clone()).unwrap_or_default();
