@@ -14,18 +14,8 @@ fn root() -> PathBuf {
 
 /// Every Markdown file of the book, the READMEs included.
 fn pages() -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|x| x == "md") {
-                out.push(p);
-            }
-        }
-    }
     let mut out = vec![root().join("README.md"), root().join("tests/README.md")];
-    walk(&root().join("docs/src"), &mut out);
+    out.extend(crate::common::files_with_extension(&root().join("docs/src"), "md"));
     out.sort();
     out
 }

@@ -26,17 +26,6 @@ fn top_modules() -> BTreeSet<String> {
         .collect()
 }
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
-
 /// The code of a file: no comments, nothing from `#[cfg(test)]` on.
 fn code(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap();
@@ -56,8 +45,7 @@ fn code(path: &Path) -> String {
 /// Module -> the modules it imports.
 fn graph() -> BTreeMap<String, BTreeSet<String>> {
     let mods = top_modules();
-    let mut files = Vec::new();
-    rust_files(&src(), &mut files);
+    let files = crate::common::files_with_extension(&src(), "rs");
     let mut g: BTreeMap<String, BTreeSet<String>> = mods.iter().map(|m| (m.clone(), BTreeSet::new())).collect();
     for f in files {
         let rel = f.strip_prefix(src()).unwrap();

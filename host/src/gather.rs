@@ -1,7 +1,7 @@
 //! Requests served together by whoever's turn it is.
 //!
 //! Callers [`push`](Gather::push) a request and wait for its answer. The
-//! one serving them (the committer, the worker whose turn it is to lease)
+//! one serving them (the worker whose turn it is to lease)
 //! makes a [`Collector`] and calls [`Collector::take`] at the last moment,
 //! once the store can start at once (on the Spanner emulator: once its
 //! turn came), so requests made while it waited join; then it answers
@@ -39,22 +39,9 @@ impl<Req, Resp> Gather<Req, Resp> {
         rx
     }
 
-    /// Queue `req` ahead of everything waiting, answered through `answer`.
-    #[cfg(test)]
-    pub fn push_front_to(&self, req: Req, answer: oneshot::Sender<Resp>) {
-        self.waiting().push_front((req, answer));
-    }
-
     #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.waiting().is_empty()
-    }
-
-    /// How many requests wait.
-    #[cfg(test)]
-    #[allow(dead_code)]
-    pub fn len(&self) -> usize {
-        self.waiting().len()
     }
 
     /// A collector taking at most `max` requests.
@@ -140,11 +127,9 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn at_most_max_oldest_first_and_first_in_front() {
+    async fn at_most_max_oldest_first() {
         let g: Gather<u32, ()> = Gather::default();
-        let _r: Vec<_> = (0..5).map(|i| g.push(i)).collect();
-        let (tx, _f) = oneshot::channel();
-        g.push_front_to(100, tx);
+        let _r: Vec<_> = (100..101).chain(0..5).map(|i| g.push(i)).collect();
         let c = g.collector(3);
         assert_eq!(c.take(), vec![100, 0, 1]);
         assert_eq!(c.take(), Vec::<u32>::new(), "max reached");
