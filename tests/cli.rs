@@ -565,7 +565,12 @@ fn onceq_new_scaffolds_a_rust_handler_that_builds_tests_checks_and_counts() {
     let (_dir, project, _) = scaffold_and_move(&["new", "hello-counter"], "hello-counter");
     let toml = std::fs::read_to_string(project.join("Cargo.toml")).unwrap();
     assert!(toml.contains(r#"onceq-guest = { path = "onceq-guest" }"#), "{toml}");
-    std::fs::copy(repo_root().join("guest-examples/Cargo.lock"), project.join("Cargo.lock")).unwrap();
+    // It ships the lock file the examples are built with: the same pinned
+    // versions, no resolution on the first build.
+    assert_eq!(
+        std::fs::read_to_string(project.join("Cargo.lock")).unwrap(),
+        std::fs::read_to_string(repo_root().join("guest-examples/Cargo.lock")).unwrap()
+    );
     // `make guests` compiled these dependencies for wasm with the same
     // profile, flags and pins: a copy of that target folder spares this
     // test a second compile of them (cargo reuses what matches and builds
@@ -588,6 +593,68 @@ fn onceq_new_scaffolds_a_rust_handler_that_builds_tests_checks_and_counts() {
     );
     scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_counter.test.toml");
     scaffolded_project_counts(&project, "target/wasm32-wasip2/release/hello_counter.wasm", "hello-counter");
+    rust_typed_tables_compile_and_catch_mistakes(&project);
+}
+
+/// The handler uses `src/schema.rs` (`onceq types --lang rust`): a wrong
+/// column or value type does not compile, naming it; a schema of every
+/// column type, keywords and hostile names gives a module that compiles;
+/// a stale module is named by `onceq test`.
+fn rust_typed_tables_compile_and_catch_mistakes(project: &Path) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let build = || {
+        Command::new(&cargo)
+            .current_dir(project)
+            .args(["build", "--release", "--target", "wasm32-wasip2"])
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("RUSTFLAGS")
+            .output()
+            .unwrap()
+    };
+    let lib = project.join("src/lib.rs");
+    let good = std::fs::read_to_string(&lib).unwrap();
+    for (from, to, says) in [
+        ("Some(row) => row.count", "Some(row) => row.cont", "no field `cont`"),
+        ("updated_at: Some(msg.now)", "updated_at: Some(\"now\")", "mismatched types"),
+        ("counters::get(ctx", "countres::get(ctx", "countres"),
+    ] {
+        assert!(good.contains(from), "{good}");
+        std::fs::write(&lib, good.replace(from, to)).unwrap();
+        let out = build();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && text.contains(says), "{to}: {text}");
+    }
+    std::fs::write(&lib, &good).unwrap();
+
+    let schema = project.join("schema.sql");
+    let mut ddl = std::fs::read_to_string(&schema).unwrap();
+    ddl.push_str(
+        r#"CREATE TABLE "every type" (
+    "type" TEXT NOT NULL,
+    "2nd" INTEGER NOT NULL,
+    flag BOOL,
+    ratio REAL NOT NULL DEFAULT 1.5,
+    blob BLOB,
+    doc JSON,
+    at TIMESTAMP NOT NULL,
+    "self" TEXT,
+    "a""b */ } fn x() {}" TEXT,
+    PRIMARY KEY ("type", "2nd", at)
+);
+"#,
+    );
+    std::fs::write(&schema, ddl).unwrap();
+    let (ok, out) = onceq_in(project, &["test"]);
+    assert!(
+        ok && out.contains("src/schema.rs is out of date") && out.contains("onceq types --lang rust"),
+        "{out}"
+    );
+    let (ok, out) = onceq_in(project, &["types", "--lang", "rust", "--out", "src/schema.rs"]);
+    assert!(ok, "{out}");
+    let out = build();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (ok, out) = onceq_in(project, &["test"]);
+    assert!(ok && !out.contains("out of date"), "{out}");
 }
 
 #[test]

@@ -23,3 +23,4 @@ mod outbox;
 mod sandbox;
 mod spanner;
 mod store_conformance;
+mod verdict;

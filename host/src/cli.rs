@@ -162,11 +162,11 @@ enum Command {
     },
     /// Type declarations for handlers, generated from the schema files: a
     /// wrong table, column or value type then fails the author's own type
-    /// check (`npm run check`, `make check`).
+    /// check (`npm run check`, `make check`, rustc).
     Types {
         /// Language: ts (TypeScript declarations `schema.d.ts`, also for
-        /// JavaScript checked by tsc) or py (a `schema_types.pyi` stub for
-        /// mypy).
+        /// JavaScript checked by tsc), py (a `schema_types.pyi` stub for
+        /// mypy) or rust (a `schema.rs` module of typed tables).
         #[arg(long, default_value = "ts")]
         lang: String,
         /// Write here (default: print).

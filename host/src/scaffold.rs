@@ -160,13 +160,18 @@ message = { by = 2 }
 expect = "reject"
 "#;
 
+const RUST_LOCK: &str = include_str!("../../guest-examples/Cargo.lock");
+
 const LIB_RS: &str = r#"//! The `{name}` handler: counts events per key.
 //!
 //! Payload: `{"key": "signup", "by": 1}`. It reads the key's row, writes the
 //! new count, and that write lands together with the message's ack, or not
 //! at all: a re-run after a lost commit can never count twice.
 
-use onceq_guest::{Ctx, Error, Handler, Message, Value};
+mod schema; // the tables of schema.sql, typed: `onceq types --lang rust --out src/schema.rs`
+
+use onceq_guest::{Ctx, Error, Handler, Message};
+use schema::counters;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -188,17 +193,17 @@ impl Handler for Counter {
         if event.by <= 0 {
             return Err(Error::reject(format!("by must be positive, got {}", event.by)));
         }
-        let count = match ctx.get("counters", &[Value::from(event.key.as_str())])? {
-            Some(row) => row.i64("count")?,
+        let count = match counters::get(ctx, &event.key)? {
+            Some(row) => row.count,
             None => 0,
         };
-        ctx.upsert(
-            "counters",
-            [
-                ("key", Value::from(event.key.as_str())),
-                ("count", Value::from(count + event.by)),
-                ("updated_at", Value::Timestamp(msg.now)),
-            ],
+        counters::upsert(
+            ctx,
+            counters::Insert {
+                key: event.key,
+                count: count + event.by,
+                updated_at: Some(msg.now),
+            },
         );
         Ok(())
     }
@@ -256,6 +261,14 @@ component with the verdicts of a real run (grants from `onceq.toml`, tables
 from `schema.sql`), no database needed; `cargo test` builds the component
 and calls it. A failed case prints what was expected and every effect the
 handler had.
+
+`src/schema.rs` declares the tables of `schema.sql` as Rust types: a module
+per table with its `Row`, an `Insert` (every NOT NULL column without a
+DEFAULT), an `Update`, and typed `get`, `scan`, `insert`, `upsert`, `update`
+and `delete`, so a wrong table, column or value type does not compile.
+After a schema change, write it again:
+`onceq types --lang rust --out src/schema.rs` (`onceq test` and
+`onceq check` say when it is out of date).
 
 `onceq-guest/` is the onceq SDK (a copy: the project builds wherever it is
 moved or cloned); `wit/handler.wit` is the contract the component is built
@@ -520,6 +533,13 @@ fn rust_files(name: &str, file: &str, sdk: Option<&Path>) -> anyhow::Result<(Fil
         ("Cargo.toml", render(CARGO_TOML, name, file, &sdk)),
         (".cargo/config.toml", CARGO_CONFIG.to_string()),
         ("src/lib.rs", render(LIB_RS, name, file, &sdk)),
+        // The versions the examples are built and tested with: the first
+        // build resolves nothing (cargo drops the entries it does not use).
+        ("Cargo.lock", RUST_LOCK.to_string()),
+        (
+            "src/schema.rs",
+            crate::typegen::rust(&crate::store::sqlite::schema_from_ddl(SCHEMA)?, "schema.sql"),
+        ),
         ("tests/handler.rs", render(RUST_TEST, name, file, &sdk)),
         ("README.md", render(README, name, file, &sdk)),
     ]);

@@ -77,6 +77,8 @@ pub struct ColumnSchema {
     pub name: String,
     pub ty: ColumnType,
     pub nullable: bool,
+    /// The column has a DEFAULT: an insert (or upsert) may leave it out.
+    pub has_default: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -115,8 +117,13 @@ pub enum SchemaError {
     MissingKey { table: String, op: String, column: String },
     #[error("table {table}: delete takes only the primary-key columns")]
     DeleteTakesKeyOnly { table: String },
-    #[error("table {table}: insert needs NOT NULL column {column}")]
-    InsertNeedsColumn { table: String, column: String },
+    #[error("table {table}: {op} needs NOT NULL column {column} (it has no DEFAULT){why}")]
+    InsertNeedsColumn {
+        table: String,
+        op: &'static str,
+        column: String,
+        why: &'static str,
+    },
     #[error("table {table}: primary key has {columns} column(s) ({names}), got {got} value(s)")]
     KeyArity {
         table: String,
@@ -234,12 +241,24 @@ impl TableSchema {
         if w.op == WriteOp::Delete && w.columns.len() != self.primary_key.len() {
             return Err(SchemaError::DeleteTakesKeyOnly { table: table() });
         }
-        if w.op == WriteOp::Insert {
+        // An upsert is an insert that may find its row: SQLite checks the
+        // row it would insert before it looks for the key, and Spanner's
+        // insert_or_update wants every NOT NULL column "even when the row
+        // already exists". Both refuse it at commit; refused here, the
+        // message is told why at once (and `onceq try` and `onceq test` say
+        // the same).
+        if matches!(w.op, WriteOp::Insert | WriteOp::Upsert) {
             for (i, c) in self.columns.iter().enumerate() {
-                if values[i].is_none() && !c.nullable {
+                if values[i].is_none() && !c.nullable && !c.has_default {
                     return Err(SchemaError::InsertNeedsColumn {
                         table: table(),
+                        op: if w.op == WriteOp::Insert { "insert" } else { "upsert" },
                         column: c.name.clone(),
+                        why: if w.op == WriteOp::Upsert {
+                            "; an upsert needs it even when the row exists, as the database does"
+                        } else {
+                            ""
+                        },
                     });
                 }
             }
@@ -379,6 +398,7 @@ mod tests {
             name: name.into(),
             ty,
             nullable,
+            has_default: false,
         };
         TableSchema {
             name: "accounts".into(),
@@ -386,6 +406,10 @@ mod tests {
                 col("id", ColumnType::String, false),
                 col("balance", ColumnType::Int64, false),
                 col("meta", ColumnType::Json, true),
+                ColumnSchema {
+                    has_default: true,
+                    ..col("tier", ColumnType::String, false)
+                },
             ],
             primary_key: vec![0],
         }
@@ -422,8 +446,18 @@ mod tests {
         );
         assert_eq!(
             err(write(WriteOp::Insert, std::slice::from_ref(&id))),
-            "table accounts: insert needs NOT NULL column balance"
+            "table accounts: insert needs NOT NULL column balance (it has no DEFAULT)"
         );
+        // An upsert inserts when the row is missing: both databases want
+        // every NOT NULL column without a DEFAULT, as for an insert.
+        assert_eq!(
+            err(write(WriteOp::Upsert, std::slice::from_ref(&id))),
+            "table accounts: upsert needs NOT NULL column balance (it has no DEFAULT); an upsert needs it even when the row exists, as the database does"
+        );
+        assert!(t
+            .check_write(&write(WriteOp::Upsert, &[id.clone(), ("balance", Value::Int64(1))]))
+            .is_ok());
+        assert!(t.check_write(&write(WriteOp::Update, &[id.clone(), ("meta", Value::Null)])).is_ok());
         assert_eq!(
             err(write(WriteOp::Update, &[id.clone(), ("balance", Value::Null)])),
             "table accounts: column balance is NOT NULL, got null"

@@ -218,6 +218,11 @@ pub fn load(path: &Path) -> anyhow::Result<CaseFile> {
 
 /// The schema the cases' rows and effects are checked against: the
 /// config's schema files (SQLite DDL), as `onceq init` applies them.
+/// Empty tables of the project's schema files, for [`run_case`].
+pub fn fixture(cfg: &Config) -> anyhow::Result<Fixture> {
+    Fixture::from_ddl(&cfg.schema_ddl()?).context("onceq test reads the schema files as SQLite DDL")
+}
+
 pub fn schema(cfg: &Config) -> anyhow::Result<Schema> {
     crate::store::sqlite::schema_from_ddl(&cfg.schema_ddl()?).context("onceq test reads the schema files as SQLite DDL")
 }
@@ -246,9 +251,14 @@ pub fn queue_of<'a>(cfg: &'a Config, file: &CaseFile, path: &Path) -> anyhow::Re
 }
 
 /// Run one case through `handler` with the queue's grants and limits.
-pub async fn run_case(handler: &dyn Handler, schema: &Schema, queue: &QueueConfig, case: &Case) -> CaseResult {
+///
+/// `tables` is the empty fixture of the project's schema files
+/// ([`fixture`]): the case's rows are added to a copy, and the effects are
+/// rehearsed on a scratch database made from the same files.
+pub async fn run_case(handler: &dyn Handler, tables: &Fixture, queue: &QueueConfig, case: &Case) -> CaseResult {
     let started = Instant::now();
-    let outcome = match build(schema, queue, case) {
+    let schema = &*tables.schema();
+    let outcome = match build(tables, queue, case) {
         Ok((fixture, message)) => {
             let report = crate::tryout::run(
                 handler,
@@ -274,8 +284,9 @@ pub async fn run_case(handler: &dyn Handler, schema: &Schema, queue: &QueueConfi
 }
 
 /// The fixture rows and the message of a case.
-fn build(schema: &Schema, queue: &QueueConfig, case: &Case) -> Result<(Fixture, Message), String> {
-    let mut fixture = Fixture::new(schema.clone());
+fn build(tables: &Fixture, queue: &QueueConfig, case: &Case) -> Result<(Fixture, Message), String> {
+    let schema = tables.schema();
+    let mut fixture = tables.clone();
     for (table, rows) in &case.rows {
         let t = schema.table(table).map_err(|e| format!("rows: {e}"))?;
         for (i, row) in rows.iter().enumerate() {
@@ -541,7 +552,7 @@ fn describe_intent(m: &IntentMatch) -> String {
 /// cache when it is there), its cases in order. `filter` keeps the cases
 /// whose name contains it. `progress` hears about slow steps.
 pub async fn run(cfg: &Config, files: &[PathBuf], filter: Option<&str>, progress: &dyn Fn(&str)) -> anyhow::Result<Vec<FileResult>> {
-    let schema = schema(cfg)?;
+    let tables = fixture(cfg)?;
     let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeConfig {
         max_instances: 2,
         ..cfg.runtime.clone()
@@ -565,7 +576,7 @@ pub async fn run(cfg: &Config, files: &[PathBuf], filter: Option<&str>, progress
         let handler = load_component(&runtime, &component, queue, progress)?;
         let mut cases = Vec::new();
         for case in file.cases.iter().filter(|c| filter.is_none_or(|f| c.name.contains(f))) {
-            cases.push(run_case(&handler, &schema, queue, case).await);
+            cases.push(run_case(&handler, &tables, queue, case).await);
         }
         results.push(FileResult {
             file: path.clone(),
@@ -686,11 +697,11 @@ mod tests {
     async fn run_text(text: &str) -> Vec<CaseResult> {
         let file: CaseFile = toml::from_str(text).unwrap();
         let cfg = config();
-        let schema = crate::store::sqlite::schema_from_ddl(DDL).unwrap();
+        let tables = Fixture::from_ddl(DDL).unwrap();
         let handler = counter();
         let mut out = Vec::new();
         for case in &file.cases {
-            out.push(run_case(&handler, &schema, &cfg.queues[0], case).await);
+            out.push(run_case(&handler, &tables, &cfg.queues[0], case).await);
         }
         out
     }

@@ -1,8 +1,11 @@
 //! One message through a handler, outside the protocol: reads served by a
 //! transaction, effects checked as the host checks them (grants, schema,
-//! limits), nothing committed. `onceq try` runs it against the database
-//! (and rolls back); the handler test kit (`onceq-testkit`) against fixture
-//! rows in memory. Same code, same verdicts.
+//! limits), then applied in a write transaction that is rolled back
+//! ([`Transaction::rehearse`]), so the database's own constraints,
+//! triggers and defaults judge them as a commit would. Nothing is kept.
+//! `onceq try` runs it against the database; `onceq test` and the handler
+//! test kit (`onceq-testkit`) against fixture rows, rehearsed on a scratch
+//! database made from the same schema files. Same code, same verdicts.
 
 use crate::protocol::{self, EffectLimits, Grants, HandleOutput, Handler, HandlerFailure, ReadScope};
 use crate::schema::Schema;
@@ -15,7 +18,9 @@ use std::sync::Arc;
 pub struct TryReport {
     pub message: Message,
     pub version: String,
-    /// "ok", "retry", "reject", "failed" or "invalid-effects".
+    /// "ok", "retry", "reject", "failed", "invalid-effects" or "deferred"
+    /// (the host's trouble, not the message's: a real run tries again
+    /// without counting a failure).
     pub outcome: String,
     pub reason: Option<String>,
     /// The handler's effects ("ok"; also shown for "invalid-effects").
@@ -26,6 +31,10 @@ pub struct TryReport {
     pub retry_after_ms: Option<u64>,
     /// The effects in words, one line each, timestamps as RFC 3339 times.
     pub shown: Vec<String>,
+    /// The effects were applied in a rolled-back transaction (false: the
+    /// store applies writes only as it commits them, as Spanner does, or
+    /// the handler gave none to apply).
+    pub rehearsed: bool,
 }
 
 impl TryReport {
@@ -57,6 +66,7 @@ pub async fn run(
     };
     let mut tx = scope.into_transaction();
     let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>, retry_after_ms: Option<u64>| TryReport {
+        rehearsed: false,
         message: message.clone(),
         version: handler.version().to_string(),
         outcome: outcome.to_string(),
@@ -71,13 +81,31 @@ pub async fn run(
         (Some(f), _) => report("failed", Some(f.to_string()), vec![], None),
         (None, Ok(effects)) => {
             match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), grants, limits, &schema, &mut *tx) {
-                Ok(_) => report("ok", None, effects, None),
-                Err(e) => report("invalid-effects", Some(e.to_string()), effects, None),
+                // As the commit would: the database's verdict, worded and
+                // classed as a real run records it.
+                Ok(_) => {
+                    return match tx.rehearse().await {
+                        None => report("ok", None, effects, None),
+                        Some(Ok(())) => TryReport {
+                            rehearsed: true,
+                            ..report("ok", None, effects, None)
+                        },
+                        Some(Err(e)) => {
+                            let f = HandlerFailure::from_store(e);
+                            let outcome = if f.is_own() { "failed" } else { "deferred" };
+                            TryReport {
+                                rehearsed: true,
+                                ..report(outcome, Some(f.recorded_reason()), effects, None)
+                            }
+                        }
+                    };
+                }
+                Err(e) => report("invalid-effects", Some(HandlerFailure::Effect(e).to_string()), effects, None),
             }
         }
         (None, Err(HandlerFailure::Retry { reason, delay })) => report("retry", Some(reason), vec![], delay.map(|d| d.as_millis() as u64)),
         (None, Err(HandlerFailure::Reject(r))) => report("reject", Some(r), vec![], None),
-        (None, Err(HandlerFailure::Effect(e))) => report("invalid-effects", Some(e.to_string()), vec![], None),
+        (None, Err(f @ HandlerFailure::Effect(_))) => report("invalid-effects", Some(f.to_string()), vec![], None),
         (None, Err(f)) if !f.is_own() => report("deferred", Some(f.recorded_reason()), vec![], None),
         (None, Err(f)) => report("failed", Some(f.to_string()), vec![], None),
     };

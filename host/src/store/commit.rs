@@ -192,6 +192,12 @@ impl<S: Snapshot + 'static> Transaction for Buffered<S> {
     }
 
     async fn rollback(self: Box<Self>) {}
+
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
+        let Buffered { snapshot, pending, group } = *self;
+        drop(snapshot);
+        group.rehearse(pending).await
+    }
 }
 
 /// The statements a driver offers the commit routine, all inside one open
@@ -340,6 +346,11 @@ pub trait BatchCommit: Send + Sync {
     /// runtime whose threads run the handlers (on a multi-threaded runtime,
     /// as `onceq run` has; a single-threaded one runs it as a task).
     fn blocks(&self) -> bool;
+
+    /// Apply `p` in a transaction of its own and roll it back: the result
+    /// its commit would have ([`Transaction::rehearse`]); `None` if the
+    /// store cannot apply without committing.
+    async fn rehearse(&self, p: Pending) -> Option<StoreResult<()>>;
 }
 
 /// What the committer is given: a message to commit with others, other
@@ -455,6 +466,12 @@ impl Group {
             #[cfg(feature = "fault-injection")]
             faults: self.faults.clone(),
         }
+    }
+
+    /// The verdict `p`'s commit would have, nothing kept
+    /// ([`BatchCommit::rehearse`]).
+    pub async fn rehearse(&self, p: Pending) -> Option<StoreResult<()>> {
+        self.driver.rehearse(p).await
     }
 
     /// Commit `p` with whatever else is being committed now; its own result.
@@ -707,6 +724,10 @@ mod tests {
         fn blocks(&self) -> bool {
             false
         }
+
+        async fn rehearse(&self, _p: Pending) -> Option<StoreResult<()>> {
+            None
+        }
     }
 
     fn pending(id: &str) -> Pending {
@@ -763,6 +784,7 @@ mod tests {
                 name: "id".into(),
                 ty: crate::schema::ColumnType::String,
                 nullable: false,
+                has_default: false,
             }],
             primary_key: vec![0],
         };
@@ -898,6 +920,9 @@ mod tests {
             }
             fn blocks(&self) -> bool {
                 false
+            }
+            async fn rehearse(&self, _p: Pending) -> Option<StoreResult<()>> {
+                None
             }
         }
         let committed = Arc::new(AtomicUsize::new(0));

@@ -305,6 +305,9 @@ impl Transaction for FaultyTransaction {
     async fn rollback(self: Box<Self>) {
         self.inner.rollback().await
     }
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
+        self.inner.rehearse().await
+    }
 }
 
 #[cfg(feature = "fault-injection")]
@@ -412,6 +415,10 @@ mod batch {
 
         fn blocks(&self) -> bool {
             self.inner.blocks()
+        }
+
+        async fn rehearse(&self, p: commit::Pending) -> Option<StoreResult<()>> {
+            self.inner.rehearse(p).await
         }
     }
 }

@@ -12,6 +12,10 @@ use std::collections::BTreeMap;
 pub struct Fixture {
     schema: Arc<Schema>,
     rows: BTreeMap<String, Vec<Row>>,
+    /// The schema files it was made from: a transaction's effects are then
+    /// rehearsed on a scratch database made from them
+    /// ([`Transaction::rehearse`]).
+    ddl: Option<Arc<str>>,
 }
 
 /// Order of key values (same variants by value; otherwise by variant).
@@ -54,14 +58,23 @@ fn cmp_keys(a: &[Value], b: &[Value]) -> Ordering {
 
 impl Fixture {
     /// Empty tables from SQLite DDL (the schema file `onceq init` applies).
+    /// Its transactions' effects are applied on a scratch SQLite database
+    /// made from the same DDL ([`Transaction::rehearse`]): NOT NULL, CHECK,
+    /// UNIQUE, triggers and defaults judge them as a real commit does.
     pub fn from_ddl(ddl: &str) -> anyhow::Result<Fixture> {
-        Ok(Fixture::new(sqlite::schema_from_ddl(ddl)?))
+        Ok(Fixture {
+            ddl: Some(Arc::from(ddl)),
+            ..Fixture::new(sqlite::schema_from_ddl(ddl)?)
+        })
     }
 
+    /// Empty tables of `schema`, with no DDL to rehearse effects on: only
+    /// the schema's own checks judge them.
     pub fn new(schema: Schema) -> Fixture {
         Fixture {
             schema: Arc::new(schema),
             rows: BTreeMap::new(),
+            ddl: None,
         }
     }
 
@@ -111,17 +124,9 @@ impl Fixture {
     }
 }
 
-/// What a [`FixtureTransaction`] was given (never applied).
-#[derive(Debug, Default)]
-pub struct Collected {
-    pub writes: Vec<ValidWrite>,
-    pub enqueued: Vec<SendParams>,
-    pub acked: bool,
-}
-
 struct FixtureTransaction {
     fixture: Fixture,
-    effects: Collected,
+    effects: commit::Pending,
 }
 
 #[async_trait]
@@ -147,17 +152,19 @@ impl Transaction for FixtureTransaction {
     }
 
     fn row_write(&mut self, write: ValidWrite) {
-        self.effects.writes.push(write);
+        self.effects.write(write);
     }
 
     fn message_enqueue(&mut self, params: SendParams) {
-        self.effects.enqueued.push(params);
+        self.effects.send(params);
     }
 
-    fn dedup_hold(&mut self, _queue: &str, _key: &str, _window: Duration) {}
+    fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) {
+        self.effects.hold(queue, key, window);
+    }
 
-    fn message_ack(&mut self, _lease: &Lease) {
-        self.effects.acked = true;
+    fn message_ack(&mut self, lease: &Lease) {
+        self.effects.ack(lease);
     }
 
     async fn commit(self: Box<Self>) -> StoreResult<()> {
@@ -169,6 +176,16 @@ impl Transaction for FixtureTransaction {
     }
 
     async fn rollback(self: Box<Self>) {}
+
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
+        let ddl = self.fixture.ddl.as_deref()?;
+        Some(sqlite::rehearse_on_scratch(
+            ddl,
+            &self.fixture.schema,
+            &self.fixture.rows,
+            &self.effects,
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -471,6 +471,13 @@ pub trait Transaction: Send {
 
     /// Discard everything.
     async fn rollback(self: Box<Self>);
+
+    /// Apply what was buffered in a write transaction of the database, then
+    /// roll it back: the verdict a commit would give on the same data
+    /// (constraints, triggers, defaults, types), nothing kept. `onceq try`
+    /// and `onceq test` give it. `None`: this store applies writes only as
+    /// it commits them (Spanner's mutations), so nothing can be rehearsed.
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>>;
 }
 
 /// Which backend a store URL names.

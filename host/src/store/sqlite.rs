@@ -471,11 +471,12 @@ fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
                 r.get::<_, String>(1)?,
                 r.get::<_, String>(2)?,
                 r.get::<_, i64>(3)?,
+                r.get::<_, Option<String>>(4)?,
                 r.get::<_, i64>(5)?,
             ))
         })?;
         for (i, row) in rows.enumerate() {
-            let (col, decl, notnull, pk_pos) = row?;
+            let (col, decl, notnull, default, pk_pos) = row?;
             let ty = column_type_from_decl(&decl).ok_or_else(|| {
                 anyhow::anyhow!(
                     "table {name}: column {col} has type {decl:?}, which onceq cannot map; use one of BOOL, INTEGER, REAL, TEXT, BLOB, JSON, TIMESTAMP"
@@ -488,6 +489,7 @@ fn load_schema(conn: &Connection) -> anyhow::Result<Schema> {
                 name: col,
                 ty,
                 nullable: notnull == 0 && pk_pos == 0,
+                has_default: default.is_some(),
             });
         }
         pk.sort();
@@ -626,6 +628,57 @@ impl commit::BatchCommit for SqliteBatch {
     fn blocks(&self) -> bool {
         true
     }
+
+    async fn rehearse(&self, p: commit::Pending) -> Option<StoreResult<()>> {
+        let Some(inner) = self.0.upgrade() else {
+            return Some(Err(StoreError::Unavailable("the store was closed".into())));
+        };
+        let mut conn = inner.writer.lock().await;
+        Some(inner.rehearse(&mut conn, &p))
+    }
+}
+
+/// The verdict of `p`'s effects on a scratch database: in memory, made
+/// from `ddl` (the schema files `onceq init` applies) with onceq's own
+/// tables, as the store configures its file (foreign keys on), holding
+/// `rows` (a test case's fixture; the columns left NULL are left out, so
+/// their DEFAULT applies). Then `p` is applied and committed there, so
+/// deferred constraints are checked too. `onceq test` and the handler
+/// test kit give it: the verdict of the real commit path on the same data.
+pub fn rehearse_on_scratch(
+    ddl: &str,
+    schema: &Schema,
+    rows: &std::collections::BTreeMap<String, Vec<Row>>,
+    p: &commit::Pending,
+) -> StoreResult<()> {
+    let scratch = |what: &str, e: rusqlite::Error| StoreError::Permanent(format!("the scratch database for the case: {what}: {e}"));
+    let mut conn = Connection::open_in_memory().map_err(|e| scratch("opening it", e))?;
+    conn.execute_batch("PRAGMA foreign_keys = ON")
+        .and_then(|()| conn.execute_batch(SYSTEM_DDL))
+        .and_then(|()| conn.execute_batch(ddl))
+        .map_err(|e| scratch("the schema files", e))?;
+    let fixture = conn.transaction().map_err(|e| scratch("starting it", e))?;
+    for (table, rows) in rows {
+        let t = schema.table(table).map_err(|e| StoreError::Permanent(e.to_string()))?;
+        for row in rows {
+            let w = ValidWrite {
+                table: table.clone(),
+                op: WriteOp::Insert,
+                values: row
+                    .iter()
+                    .map(|(_, v)| Some(v.clone()).filter(|v| !matches!(v, Value::Null)))
+                    .collect(),
+            };
+            apply_write(&fixture, t, &w).map_err(|e| StoreError::Permanent(format!("the case's rows do not fit the schema files: {e}")))?;
+        }
+    }
+    fixture
+        .commit()
+        .map_err(|e| StoreError::Permanent(format!("the case's rows do not fit the schema files: {e}")))?;
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
+    let mut ex = SqliteExec { conn: &tx, schema };
+    commit::run_now(commit::apply(&mut ex, p, Duration::from_secs(3600)))?;
+    tx.commit().map_err(classify)
 }
 
 /// Run `f` in a write transaction (`BEGIN IMMEDIATE`) on the writer,
@@ -727,6 +780,19 @@ impl Inner {
                 other => Err(BatchLost(other)),
             },
         }
+    }
+
+    /// [`Self::commit_alone`] rolled back at the end: the verdict without
+    /// the commit. A constraint deferred to the commit (a foreign key
+    /// declared `DEFERRABLE INITIALLY DEFERRED`) is not seen.
+    fn rehearse(&self, conn: &mut Connection, p: &commit::Pending) -> StoreResult<()> {
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(classify)?;
+        let mut ex = SqliteExec {
+            conn: &tx,
+            schema: &self.schema,
+        };
+        commit::run_now(commit::apply(&mut ex, p, self.options.dedup_window))
+        // dropping `tx` rolls back
     }
 
     /// One message in a write transaction of its own: its result is the

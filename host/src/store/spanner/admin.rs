@@ -312,7 +312,7 @@ impl SpannerStore {
         let mut rs = tx
             .execute_query(
                 Statement::builder(
-                    "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE FROM INFORMATION_SCHEMA.COLUMNS
+                    "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE, COLUMN_DEFAULT IS NOT NULL OR IS_GENERATED = 'ALWAYS' FROM INFORMATION_SCHEMA.COLUMNS
                  WHERE TABLE_SCHEMA = '' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_') ORDER BY TABLE_NAME, ORDINAL_POSITION",
                 )
                 .build(),
@@ -322,11 +322,12 @@ impl SpannerStore {
         let mut schema = Schema::default();
         while let Some(r) = rs.next().await {
             let r = r.map_err(classify)?;
-            let (t, c, ty, nullable): (String, String, String, String) = (
+            let (t, c, ty, nullable, has_default): (String, String, String, String, bool) = (
                 r.get(0).map_err(classify)?,
                 r.get(1).map_err(classify)?,
                 r.get(2).map_err(classify)?,
                 r.get(3).map_err(classify)?,
+                r.get(4).map_err(classify)?,
             );
             let ty = column_type_from_decl(&ty)
                 .ok_or_else(|| StoreError::Permanent(format!("table {t}: column {c} has type {ty}, which onceq cannot map")))?;
@@ -343,6 +344,7 @@ impl SpannerStore {
                     name: c,
                     ty,
                     nullable: nullable == "YES",
+                    has_default,
                 });
         }
         let tx = c.single_use().build();

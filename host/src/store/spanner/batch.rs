@@ -527,6 +527,12 @@ impl commit::BatchCommit for SpannerBatch {
         false
     }
 
+    /// Spanner applies a transaction's writes as mutations when it commits
+    /// them: there is nothing to apply and roll back.
+    async fn rehearse(&self, _p: commit::Pending) -> Option<StoreResult<()>> {
+        None
+    }
+
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         let batch = Arc::new(batch);

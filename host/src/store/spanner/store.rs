@@ -112,6 +112,7 @@ impl SpannerStore {
                     name: n.to_string(),
                     ty: *t,
                     nullable: true,
+                    has_default: false,
                 })
                 .collect(),
             primary_key: vec![0],
