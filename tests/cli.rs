@@ -655,6 +655,36 @@ fn rust_typed_tables_compile_and_catch_mistakes(project: &Path) {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (ok, out) = onceq_in(project, &["test"]);
     assert!(ok && !out.contains("out of date"), "{out}");
+
+    // A panic is a crash, named once with its location (not again as the
+    // guest's stderr logged beside it), with the default log level.
+    std::fs::write(
+        &lib,
+        good.replace(
+            "if event.by <= 0 {",
+            "if event.key == \"boom\" {\n            panic!(\"boom for {}\", event.key);\n        }\n        if event.by <= 0 {",
+        ),
+    )
+    .unwrap();
+    let out = build();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(
+        project.join("boom.test.toml"),
+        "queue = \"hello-counter\"\n[[case]]\nname = \"boom\"\nmessage = { key = \"boom\" }\nexpect = \"failed\"\nreason = \"handler crashed\"\n",
+    )
+    .unwrap();
+    let out = Command::new(onceq_bin())
+        .current_dir(project)
+        .args(["test", "boom.test.toml", "--json"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text.matches("boom for boom").count(), 1, "{text}");
+    assert!(text.contains("boom for boom, at src/lib.rs:"), "{text}");
+    std::fs::write(&lib, &good).unwrap();
+    std::fs::remove_file(project.join("boom.test.toml")).unwrap();
 }
 
 #[test]

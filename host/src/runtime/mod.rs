@@ -658,8 +658,11 @@ enum CallError {
 }
 
 /// Log captured guest output inside the message's span; return the last
-/// stderr line (a Rust panic message lands there).
-fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
+/// stderr line (a Rust panic message lands there). When the call trapped,
+/// that line goes into the failure's reason, which is reported anyway: the
+/// stderr lines are then logged at debug, so a panic is not shown twice
+/// (`onceq test`, `onceq run`'s warning).
+fn drain_stdio(wasi: &wasi::DeterministicWasi, trapped: bool) -> Option<String> {
     let out = wasi.stdout.contents();
     for line in String::from_utf8_lossy(&out).lines().filter(|l| !l.is_empty()) {
         tracing::info!(target: "onceq::guest", stream = "stdout", "{}", crate::names::printable(line));
@@ -667,7 +670,11 @@ fn drain_stdio(wasi: &wasi::DeterministicWasi) -> Option<String> {
     let err = wasi.stderr.contents();
     let text = String::from_utf8_lossy(&err);
     for line in text.lines().filter(|l| !l.is_empty()) {
-        tracing::info!(target: "onceq::guest", stream = "stderr", "{}", crate::names::printable(line));
+        if trapped {
+            tracing::debug!(target: "onceq::guest", stream = "stderr", "{}", crate::names::printable(line));
+        } else {
+            tracing::info!(target: "onceq::guest", stream = "stderr", "{}", crate::names::printable(line));
+        }
     }
     guest_complaint(&text).map(|l| crate::names::truncated(&l, 1024))
 }
@@ -716,7 +723,10 @@ impl Handler for WasmHandler {
             }
         };
         let state = store.into_data();
-        let last_stderr = drain_stdio(&state.wasi);
+        let trapped = matches!(&r, Err(CallError::Call(e)) if e.downcast_ref::<wasmtime_wasi::I32Exit>().is_none())
+            && !state.timed_out
+            && !state.limiter.memory_hit;
+        let last_stderr = drain_stdio(&state.wasi, trapped);
         let result = match r {
             Ok(Ok(effects)) => Ok(effects.into_iter().map(effect_from_wit).collect()),
             Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::from_retry(r.reason, r.delay_ms.map(Duration::from_millis))),
