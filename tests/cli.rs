@@ -804,19 +804,6 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
         )),
         "{pin}"
     );
-    let app = project.join("src/app.py");
-    let good = std::fs::read_to_string(&app).unwrap();
-    for (from, to, says) in [
-        (r#"ctx.get("counters""#, r#"ctx.get("countres""#, "countres"),
-        ("count=count + by", "cont=count + by", r#"Unexpected keyword argument "cont""#),
-        ("updated_at=Timestamp(msg.now)", r#"updated_at="now""#, r#"Argument "updated_at""#),
-    ] {
-        assert!(good.contains(from), "{good}");
-        std::fs::write(&app, good.replace(from, to)).unwrap();
-        let out = make("check");
-        assert!(!out.status.success() && text(&out).contains(says), "{to}: {}", text(&out));
-    }
-    std::fs::write(&app, &good).unwrap();
     // After a schema change, `make types` declares the new table.
     add_notes_table(&project);
     let out = make("types");
@@ -828,5 +815,42 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
     );
     let out = make("check");
     assert!(out.status.success(), "{}", text(&out));
+    // With two tables, mypy still names each mistake (ctx.tables.NAME), and
+    // the sandbox check names open() with its line.
+    let app = project.join("src/app.py");
+    let good = std::fs::read_to_string(&app).unwrap();
+    for (from, to, says) in [
+        (
+            "ctx.tables.counters",
+            "ctx.tables.countres",
+            r#""Tables" has no attribute "countres""#,
+        ),
+        (
+            "count=count + by",
+            "cont=count + by",
+            r#"Unexpected keyword argument "cont" for "upsert" of "CountersTable""#,
+        ),
+        (
+            "updated_at=Timestamp(msg.now)",
+            r#"updated_at="now""#,
+            r#"Argument "updated_at" to "upsert" of "CountersTable" has incompatible type "str""#,
+        ),
+        (
+            "count=count + by, ",
+            "",
+            r#"Missing named argument "count" for "upsert" of "CountersTable""#,
+        ),
+        (
+            "    counters = ctx.tables.counters",
+            "    open(\"notes.txt\")\n    counters = ctx.tables.counters",
+            "src/app.py:23: open(): the sandbox has no files",
+        ),
+    ] {
+        assert!(good.contains(from), "{good}");
+        std::fs::write(&app, good.replace(from, to)).unwrap();
+        let out = make("check");
+        assert!(!out.status.success() && text(&out).contains(says), "{to}: {}", text(&out));
+    }
+    std::fs::write(&app, &good).unwrap();
     scaffolded_project_counts(&project, "build/hello_py.wasm", "hello-py");
 }

@@ -278,6 +278,21 @@ fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     if lang == "python" {
         assert!(reason.contains("  app.py:"), "{lang}: the handler's frame: {reason}");
     }
+    // What the sandbox does not offer (Python's open(), JavaScript's
+    // fetch()) is a crash that says so and where, not a bare trap.
+    let failed = kit.run(&component, &db, &kit.message("clock", r#"{"sandbox": true}"#));
+    assert_eq!(failed.outcome, "failed", "{lang}: {failed:?}");
+    let reason = failed.reason.unwrap();
+    let (call, file) = if lang == "python" {
+        ("open('/etc/passwd')", "app.py:")
+    } else {
+        ("fetch(\"https://example.com/\")", "app.js:")
+    };
+    assert!(
+        reason.contains(&format!("{call} is not available in onceq's sandbox")),
+        "{lang}: {reason}"
+    );
+    assert!(reason.contains(file) && !reason.contains("unreachable"), "{lang}: {reason}");
 }
 
 #[test]

@@ -277,6 +277,17 @@ function projectStack(stack) {
     .join('\n');
 }
 
+// The sandbox has no network: without this, fetch() ends the instance with
+// a bare "unreachable" trap and no line; with it, an exception the handler
+// may catch, or a crash whose reason names the line that called it.
+/** @param {unknown} resource */
+globalThis.fetch = function fetch(resource) {
+  throw new Error(
+    `fetch(${JSON.stringify(String(resource))}) is not available in onceq's sandbox (no network): ` +
+      'emit ctx.intent(connector, key, payload), delivered through the outbox after the commit',
+  );
+};
+
 const line = (level) => (...args) =>
   hostLog(level, args.map((a) => (typeof a === 'string' ? a : describe(a))).join(' '));
 globalThis.console = {

@@ -27,6 +27,7 @@ values. (`datetime.now()` reads the C clock directly and traps: use
 `datetime.fromtimestamp(time.time(), timezone.utc)`.)
 """
 
+import builtins as _builtins
 import json
 import os as _os
 import random as _random
@@ -135,6 +136,57 @@ class Message:
         return [v[n] for n in names]
 
 
+def _no_files(file=None, *_args, **_kwargs):
+    raise OSError(
+        f"open({file!r}) is not available in onceq's sandbox (no files): "
+        "read rows with ctx.get/scan, keep data in the tables of schema.sql"
+    )
+
+
+# The sandbox has no files: without this, open() ends the instance with a
+# bare "unreachable" trap and no line; with it, an exception the handler
+# may catch, or a crash whose reason names the line that called it.
+_builtins.open = _no_files
+
+
+class _Table:
+    """One table's reads and writes: see `Ctx.tables`."""
+
+    def __init__(self, ctx, name):
+        self._ctx, self._name = ctx, name
+
+    def get(self, key):
+        return self._ctx.get(self._name, key)
+
+    def scan(self, prefix, limit):
+        return self._ctx.scan(self._name, prefix, limit)
+
+    def insert(self, **cols):
+        self._ctx.insert(self._name, **cols)
+
+    def update(self, **cols):
+        self._ctx.update(self._name, **cols)
+
+    def upsert(self, **cols):
+        self._ctx.upsert(self._name, **cols)
+
+    def delete(self, **key):
+        self._ctx.delete(self._name, **key)
+
+
+class _Tables:
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Table(self._ctx, name)
+
+    def __getitem__(self, name):
+        return _Table(self._ctx, name)
+
+
 class Ctx:
     def __init__(self):
         self.effects = []
@@ -160,6 +212,15 @@ class Ctx:
 
     def insert(self, table, **cols):
         self._write(table, t.WriteOp.INSERT, cols)
+
+    @property
+    def tables(self):
+        """The tables by name: `ctx.tables.points.upsert(id=..., n=...)` is
+        `ctx.upsert("points", id=..., n=...)`. With `schema_types.pyi`
+        (`onceq types --lang py`), mypy names a wrong table ("has no
+        attribute"), column ("Unexpected keyword argument") or value type
+        ("incompatible type ...; expected ...") exactly."""
+        return _Tables(self)
 
     def update(self, table, **cols):
         self._write(table, t.WriteOp.UPDATE, cols)

@@ -335,13 +335,17 @@ def handle(ctx: "Ctx", msg):
         reject("malformed payload: missing field `key`")
     if not isinstance(by, int) or by <= 0:
         reject(f"by must be positive, got {by}")
-    row = ctx.get("counters", [key])
+    counters = ctx.tables.counters
+    row = counters.get([key])
     count = 0 if row is None else row["count"]
-    ctx.upsert("counters", key=key, count=count + by, updated_at=Timestamp(msg.now))
+    counters.upsert(key=key, count=count + by, updated_at=Timestamp(msg.now))
 
 
 Handler = export(handle)
 "#;
+
+/// `make check`'s first step: what a handler cannot do in the sandbox.
+const PY_SANDBOX_CHECK: &str = include_str!("../../guest-examples/python/check_sandbox.py");
 
 const PY_MAKEFILE: &str = "# `make` builds build/{file}.wasm with componentize-py (pinned in
 # requirements.txt, installed into .venv on first use); `make test` builds
@@ -359,9 +363,11 @@ build/{file}.wasm: src/app.py src/onceq_guest.py wit/handler.wit | $(COMPONENTIZ
 test: build/{file}.wasm
 \t$(ONCEQ) test
 
-# Type-check src/app.py with mypy against src/schema_types.pyi: a wrong
+# Name what the sandbox does not offer (open(), sockets, urllib, ...), then
+# type-check src/app.py with mypy against src/schema_types.pyi: a wrong
 # table, column or value type fails here, before a run.
 check: | $(COMPONENTIZE_PY)
+\t$(PYTHON) check_sandbox.py
 \t$(MYPY)
 
 # After a change to schema.sql: declare its tables again.
@@ -575,6 +581,7 @@ fn python_files(name: &str, file: &str) -> anyhow::Result<(Files, String, &'stat
             format!("componentize-py=={COMPONENTIZE_PY_VERSION}\nmypy=={MYPY_VERSION}\n"),
         ),
         ("mypy.ini", MYPY_INI.to_string()),
+        ("check_sandbox.py", PY_SANDBOX_CHECK.to_string()),
         ("src/schema_types.pyi", crate::typegen::python(&schema, "schema.sql")),
         ("src/app.py", render(PY_APP, name, file, "")),
         ("src/onceq_guest.py", PY_SDK.to_string()),

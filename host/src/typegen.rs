@@ -214,9 +214,65 @@ from onceq_guest import Json, Message, Timestamp
     for (n, t) in &names {
         python_table(&mut out, n, t);
     }
+    out.push_str(&python_tables(&names));
     out.push_str(&python_ctx(&names));
     out
 }
+
+/// `ctx.tables.NAME`: a protocol per table whose writes take the columns
+/// as keyword arguments. mypy names each mistake there ('"Tables" has no
+/// attribute', 'Unexpected keyword argument', 'incompatible type ...;
+/// expected ...', 'Missing named argument'), where the overloads of
+/// `Ctx.upsert` can only say that no overload matches. A table or column
+/// name that is not a Python identifier is reached through `ctx.upsert`.
+fn python_tables(names: &[(String, &TableSchema)]) -> String {
+    let ident = |s: &str| {
+        let mut cs = s.chars();
+        cs.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && cs.all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !PY_KEYWORDS.contains(&s)
+    };
+    let mut out = String::new();
+    let mut attrs = Vec::new();
+    for (n, t) in names {
+        if !ident(&t.name) || !t.columns.iter().all(|c| ident(&c.name)) {
+            let _ = writeln!(
+                out,
+                "# Table {}: not a Python name throughout; use ctx.get/insert/... (\"{}\").\n",
+                comment(&t.name),
+                comment(&t.name)
+            );
+            continue;
+        }
+        let _ = write!(
+            out,
+            "\nclass {n}Table(Protocol):\n    \"\"\"ctx.tables.{}\"\"\"\n\n\
+             \x20   def get(self, key: Sequence[{n}KeyValue]) -> {n}Row | None: ...\n\
+             \x20   def scan(self, prefix: Sequence[{n}KeyValue], limit: int) -> list[{n}Row]: ...\n\
+             \x20   def insert(self, **columns: Unpack[{n}Insert]) -> None: ...\n\
+             \x20   def update(self, **columns: Unpack[{n}Update]) -> None: ...\n\
+             \x20   def upsert(self, **columns: Unpack[{n}Insert]) -> None: ...\n\
+             \x20   def delete(self, **key: Unpack[{n}Key]) -> None: ...\n\n",
+            t.name
+        );
+        attrs.push(format!("    {}: {n}Table\n", t.name));
+    }
+    out.push_str("\nclass Tables(Protocol):\n    \"\"\"ctx.tables: each table of the schema, by name.\"\"\"\n\n");
+    if attrs.is_empty() {
+        out.push_str("    pass\n");
+    }
+    for a in attrs {
+        out.push_str(&a);
+    }
+    out.push('\n');
+    out
+}
+
+const PY_KEYWORDS: &[&str] = &[
+    "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class", "continue", "def", "del", "elif", "else", "except",
+    "finally", "for", "from", "global", "if", "import", "in", "is", "lambda", "nonlocal", "not", "or", "pass", "raise", "return", "try",
+    "while", "with", "yield", "self",
+];
 
 /// A table's `TypedDict`s: its row, what insert/upsert and update take,
 /// its key columns, and the type of a key value.
@@ -291,6 +347,7 @@ fn python_ctx(names: &[(String, &TableSchema)]) -> String {
         }
         out.push('\n');
     }
+    out.push_str("    @property\n    def tables(self) -> Tables: ...\n\n");
     out.push_str(concat!(
         "    def enqueue(self, queue: str, payload: Any, delay_ms: int | None = None, dedup_key: str | None = None, attributes: Any = ()) -> None: ...\n",
         "    def reschedule(self, msg: Message, delay_ms: int, state: Any) -> None: ...\n",
