@@ -742,6 +742,20 @@ fn onceq_new_scaffolds_a_javascript_handler_that_builds_tests_checks_and_counts(
     let out = run_ok(Command::new("npm").current_dir(&project).arg("test").env("ONCEQ", onceq_bin()));
     scaffolded_tests_pass_then_fail_readably(&project, &out, "hello_js.test.toml");
     scaffolded_project_counts(&project, "build/hello_js.wasm", "hello-js");
+    // `npm run build` is keyed on its inputs: unchanged sources build
+    // nothing (the same bytes: onceq's compile cache hits, `onceq dev` sees
+    // the same version); an edited source builds again.
+    let wasm = project.join("build/hello_js.wasm");
+    let built = std::fs::read(&wasm).unwrap();
+    let npm_build = || run_ok(Command::new("npm").current_dir(&project).args(["run", "build"]));
+    let out = npm_build();
+    assert!(out.contains("build/hello_js.wasm is up to date"), "{out}");
+    assert_eq!(std::fs::read(&wasm).unwrap(), built);
+    std::fs::write(&app, format!("{good}// edited\n")).unwrap();
+    let out = npm_build();
+    assert!(!out.contains("up to date"), "{out}");
+    assert_ne!(std::fs::read(&wasm).unwrap(), built, "an edited source is built again");
+    std::fs::write(&app, &good).unwrap();
     // A schema change the typed tables do not know yet: check and test say
     // so, with the command that fixes it.
     let schema = project.join("schema.sql");

@@ -373,3 +373,74 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
     dev.kill().await.unwrap();
     host.stop().await;
 }
+
+/// `onceq dev` in watch mode with two queues, one of whose components is not
+/// built yet: the round says which and keeps watching; once it is built, the
+/// next round tests it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_waits_for_a_component_not_built_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("schema.sql"), TALLY_SQL).unwrap();
+    std::fs::create_dir_all(d.join("build")).unwrap();
+    std::fs::copy(guest("tally_v1"), d.join("build/tally.wasm")).unwrap();
+    std::fs::write(
+        d.join("onceq.toml"),
+        "store = \"onceq.db\"\nschema = \"schema.sql\"\n\n\
+         [[queue]]\nname = \"tally\"\nhandler = \"build/tally.wasm\"\ntables = [\"tally\"]\n\n\
+         [[queue]]\nname = \"later\"\nhandler = \"build/later.wasm\"\ntables = [\"tally\"]\n",
+    )
+    .unwrap();
+    let case = |build: &str| {
+        format!(
+            "[[case]]\nname = \"counts a message\"\nmessage = {{}}\n\
+             writes = [{{ table = \"tally\", row = {{ id = \"m-1\", n = 1, build = \"{build}\" }} }}]\n"
+        )
+    };
+    std::fs::write(d.join("tally.test.toml"), format!("queue = \"tally\"\n{}", case("tally-v1"))).unwrap();
+    std::fs::write(d.join("later.test.toml"), format!("queue = \"later\"\n{}", case("tally-v2"))).unwrap();
+    let host = Host::new(dir);
+
+    let logs = tempfile::tempdir().unwrap();
+    let out_path = logs.path().join("dev.out");
+    let mut dev = host
+        .cmd(&[
+            "dev",
+            "--no-deploy",
+            "--build",
+            "test ! -f src/later.wasm || cp src/later.wasm build/later.wasm",
+            "--poll",
+            "100ms",
+        ])
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(logs.path().join("dev.err")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = || std::fs::read_to_string(&out_path).unwrap_or_default();
+    let rounds = |n: usize| {
+        let out_path = out_path.clone();
+        move || {
+            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+            async move { text.matches("watching").count() >= n }
+        }
+    };
+    wait_until("dev's first round", Duration::from_secs(120), rounds(1)).await;
+    let text = out();
+    assert!(
+        text.contains("the component build/later.wasm is not built yet") && text.contains("FAILED: watching"),
+        "{text}"
+    );
+    assert!(dev.try_wait().unwrap().is_none(), "dev keeps watching: {text}");
+
+    // Its source written, the build makes it: the next round runs both
+    // queues' cases.
+    std::fs::create_dir_all(host.dir.path().join("src")).unwrap();
+    std::fs::copy(guest("tally_v2"), host.dir.path().join("src/later.wasm")).unwrap();
+    wait_until("dev's second round", Duration::from_secs(120), rounds(2)).await;
+    let text = out();
+    let round2 = text.rsplit("changed:").next().unwrap_or_default();
+    assert!(round2.contains("src/later.wasm"), "{text}");
+    assert!(round2.contains("2 cases passed") && round2.contains("ok: watching"), "{text}");
+    dev.kill().await.unwrap();
+}

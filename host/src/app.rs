@@ -296,8 +296,8 @@ pub fn check(
     if !runtime.is_cached(&bytes) {
         crate::runtime::announce_large(path, progress);
     }
-    let (_, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let verdict = runtime.load(&bytes, HandlerLimits::default()).map(|_| ());
+    let (component, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let verdict = runtime.prepare(component, info.clone(), HandlerLimits::default()).map(|_| ());
     Ok((info, verdict))
 }
 

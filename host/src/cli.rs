@@ -549,8 +549,8 @@ fn check(component: &std::path::Path, config: &std::path::Path) -> anyhow::Resul
                 );
             }
             println!(
-                "note: the sandbox offers no network and no files (JavaScript's fetch(), Python's open() or urllib \
-                 trap when called): read rows with ctx.get/scan, and reach other systems with intents"
+                "note: the sandbox offers no network and no files (the SDKs make JavaScript's fetch() and Python's open() \
+                 throw, naming the line; a socket or urllib traps): read rows with ctx.get/scan, and reach other systems with intents"
             );
             println!("ok: fits the onceq:handler world");
             ExitCode::SUCCESS

@@ -18,6 +18,8 @@ pub const LANGUAGES: &[&str] = &["rust", "js", "python"];
 /// The one WIT, as the host reads it.
 const WIT: &str = include_str!("../../wit/handler.wit");
 const JS_SDK: &str = include_str!("../../guest-examples/js/onceq-guest.js");
+/// `npm run build`: componentize-js, run only when an input changed.
+const JS_BUILD: &str = include_str!("../../guest-examples/js/build.mjs");
 const JS_SDK_TYPES: &str = include_str!("../../guest-examples/js/onceq-guest.d.ts");
 const JS_TSCONFIG: &str = r#"{
   "compilerOptions": {
@@ -76,7 +78,10 @@ publish = false
 [lib]
 crate-type = ["cdylib"]
 
-[dependencies]
+# The handler is built for wasm32-wasip2 only. On this machine (`cargo
+# test`, which runs tests/handler.rs) the crate is empty and these are not
+# compiled: the first test compiles them once, for wasm.
+[target.'cfg(target_arch = "wasm32")'.dependencies]
 onceq-guest = { path = "{sdk}" }
 serde = { version = "1", features = ["derive"] }
 serde_json = "1"
@@ -98,6 +103,12 @@ handler = "build --release --target wasm32-wasip2"
 # A small shadow stack: less memory to map per fresh instance.
 [target.wasm32-wasip2]
 rustflags = ["-C", "link-arg=-zstack-size=65536"]
+"#;
+
+/// The crate compiles for wasm32-wasip2 only: rust-analyzer analyses it there.
+const RUST_EDITOR: &str = r#"{
+  "rust-analyzer.cargo.target": "wasm32-wasip2"
+}
 "#;
 
 const RUST_TEST: &str = r#"//! `cargo test`: builds the component (`cargo handler`) and runs the test
@@ -167,6 +178,11 @@ const LIB_RS: &str = r#"//! The `{name}` handler: counts events per key.
 //! Payload: `{"key": "signup", "by": 1}`. It reads the key's row, writes the
 //! new count, and that write lands together with the message's ack, or not
 //! at all: a re-run after a lost commit can never count twice.
+
+// Built for wasm32-wasip2 only (`cargo handler`); empty on this machine,
+// where `cargo test` only runs tests/handler.rs. Editors: analyse for that
+// target (.vscode/settings.json sets rust-analyzer.cargo.target).
+#![cfg(target_arch = "wasm32")]
 
 mod schema; // the tables of schema.sql, typed: `onceq types --lang rust --out src/schema.rs`
 
@@ -283,7 +299,7 @@ const JS_PACKAGE: &str = r#"{
   "scripts": {
     "types": "${ONCEQ:-onceq} types --lang ts --out src/schema.d.ts",
     "check": "tsc -p tsconfig.json",
-    "build": "mkdir -p build && componentize-js src/app.js --wit wit -n queue-handler -d stdio http fetch-event -o build/{file}.wasm",
+    "build": "node build.mjs build/{file}.wasm src/app.js --wit wit -n queue-handler -d stdio http fetch-event",
     "test": "npm run build && ${ONCEQ:-onceq} test"
   },
   "devDependencies": {
@@ -547,6 +563,7 @@ fn rust_files(name: &str, file: &str, sdk: Option<&Path>) -> anyhow::Result<(Fil
             crate::typegen::rust(&crate::store::sqlite::schema_from_ddl(SCHEMA)?, "schema.sql"),
         ),
         ("tests/handler.rs", render(RUST_TEST, name, file, &sdk)),
+        (".vscode/settings.json", RUST_EDITOR.to_string()),
         ("README.md", render(README, name, file, &sdk)),
     ]);
     Ok((
@@ -566,6 +583,7 @@ fn js_files(name: &str, file: &str) -> anyhow::Result<(Files, String, &'static [
         ("src/onceq-guest.js", JS_SDK.to_string()),
         ("src/onceq-guest.d.ts", JS_SDK_TYPES.to_string()),
         ("tsconfig.json", JS_TSCONFIG.to_string()),
+        ("build.mjs", JS_BUILD.to_string()),
         ("README.md", other_readme(name, file, &component, &JS)),
     ];
     Ok((files, component, &["npm install", "npm run check", "npm run build", "npm test"]))

@@ -259,6 +259,13 @@ impl Runtime {
     /// Validate, compile and prepare a handler component.
     pub fn load(&self, bytes: &[u8], limits: HandlerLimits) -> Result<WasmHandler, DeployError> {
         let (component, info) = self.inspect(bytes)?;
+        self.prepare(component, info, limits)
+    }
+
+    /// [`Self::load`] of what [`Self::inspect`] compiled (`onceq check`
+    /// prints the component's imports and exports, then its verdict,
+    /// compiling it once).
+    pub fn prepare(&self, component: Component, info: ComponentInfo, limits: HandlerLimits) -> Result<WasmHandler, DeployError> {
         let forbidden = wasi::check_imports(info.imports.iter().map(String::as_str));
         if !forbidden.is_empty() {
             return Err(DeployError::ForbiddenImports(forbidden));
