@@ -63,6 +63,9 @@ impl Transaction for MemTx {
         Ok(())
     }
     async fn rollback(self: Box<Self>) {}
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
+        None
+    }
 }
 
 fn order_payload(i: usize) -> Vec<u8> {
@@ -1055,6 +1058,10 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
         {
             let (store, _) = fresh_db(&work, &format!("{name}.db"));
             rt.block_on(queue_orders(store.as_ref(), n, 1000));
+        }
+        if std::env::var_os("ONCEQ_BENCH_CLI_DIR").is_some() {
+            // Kept, to run the same work again by hand (under a profiler).
+            std::fs::copy(&db, work.join(format!("{name}.db.queued"))).unwrap();
         }
         let charges = work.join(format!("{name}.jsonl"));
         let config = payments_config(&db.display().to_string(), extra, component, &charges.display().to_string());

@@ -3,7 +3,9 @@
 //! shutdown, back off while the queue is empty. A worker runs one handler
 //! at a time and starts its next message once the previous one is
 //! committing, so with group commit its handler runs while that commit is
-//! in flight ([`IN_FLIGHT`]).
+//! in flight ([`IN_FLIGHT`]). Its next lease starts when the last message
+//! of the batch is committing ([`QueueRunner::process_batch_then`]): the
+//! lease waits for the committer during that commit instead of after it.
 //!
 //! A worker leases no more messages than it finishes, at its measured pace,
 //! in a third of the lease ([`Pace`]), up to the queue's `batch`; workers
@@ -62,29 +64,40 @@ impl QueueRunner {
         let mut pace = Pace::default();
         let mut found_empty = false;
         debug!(queue = %self.spec.name, worker = n, "worker started");
+        // The next batch, leased while the last messages of this one were
+        // committing.
+        let mut prefetched: Option<(super::lease::Leased, Instant)> = None;
         loop {
-            if shutdown.is_requested() {
-                break;
-            }
-            // After an empty lease, poll again only through the gate: one
-            // worker of the queue at a time, after the shared backoff.
-            let mut gate = None;
-            if found_empty {
-                let backoff = tokio::select! {
-                    g = self.poll_gate.lock() => g,
-                    () = shutdown.requested() => break,
-                };
-                sleep_or_shutdown(&mut shutdown, jittered(*backoff)).await;
-                gate = Some(backoff);
-                if shutdown.is_requested() {
-                    break;
+            let (leased, leased_at, mut gate) = match prefetched.take() {
+                // Processed even at shutdown: its messages are released.
+                Some((leased, at)) => (leased, at, None),
+                None => {
+                    if shutdown.is_requested() {
+                        break;
+                    }
+                    // After an empty lease, poll again only through the
+                    // gate: one worker of the queue at a time, after the
+                    // shared backoff.
+                    let mut gate = None;
+                    if found_empty {
+                        let backoff = tokio::select! {
+                            g = self.poll_gate.lock() => g,
+                            () = shutdown.requested() => break,
+                        };
+                        sleep_or_shutdown(&mut shutdown, jittered(*backoff)).await;
+                        gate = Some(backoff);
+                        if shutdown.is_requested() {
+                            break;
+                        }
+                    }
+                    let leased_at = Instant::now();
+                    let leased = self
+                        .leases
+                        .lease(self.store.as_ref(), &self.spec.name, pace.limit(p.batch, p.lease), p.lease)
+                        .await;
+                    (leased, leased_at, gate)
                 }
-            }
-            let leased_at = Instant::now();
-            let leased = self
-                .leases
-                .lease(self.store.as_ref(), &self.spec.name, pace.limit(p.batch, p.lease), p.lease)
-                .await;
+            };
             let batch = match leased.share {
                 Ok(b) => b,
                 Err(e) => {
@@ -111,15 +124,30 @@ impl QueueRunner {
                 self.idle.notify_one();
                 continue;
             }
-            let lost = self.process_batch(&batch, leased_at, &shutdown).await;
+            let limit = pace.limit(p.batch, p.lease);
+            let next = async {
+                let at = Instant::now();
+                (self.leases.lease(self.store.as_ref(), &self.spec.name, limit, p.lease).await, at)
+            };
+            let (lost, next) = self.process_batch_then(&batch, leased_at, &shutdown, next).await;
             pace.record(batch.len(), lost, leased_at.elapsed());
+            prefetched = next;
             if lost > 0 {
                 // Its leases ran out before its work did (a slow store or
                 // handler, a stall): lease less, and not at once.
+                if let Some((leased, _)) = prefetched.take() {
+                    self.release_all(leased).await;
+                }
                 sleep_or_shutdown(&mut shutdown, jittered((p.lease / 10).min(Duration::from_secs(1)))).await;
             }
         }
         debug!(queue = %self.spec.name, worker = n, "worker stopped");
+    }
+
+    /// [`Self::process_batch_then`] with no next lease (tests).
+    #[cfg(test)]
+    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &Shutdown) -> usize {
+        self.process_batch_then(batch, leased_at, shutdown, std::future::ready(())).await.0
     }
 
     /// Process a leased batch in order, renewing the leases of the messages
@@ -134,8 +162,23 @@ impl QueueRunner {
     /// 23 with four.
     ///
     /// Returns how many of the batch's messages lost their lease before
-    /// their outcome (skipped, or cancelled while their handler ran).
-    pub(super) async fn process_batch(&self, batch: &[LeasedMessage], leased_at: Instant, shutdown: &Shutdown) -> usize {
+    /// their outcome (skipped, or cancelled while their handler ran), and
+    /// what `then_lease` gave if it ran.
+    ///
+    /// `then_lease` (the worker's next lease) starts once the batch's last
+    /// message moved on (its commit started): the lease's wait for the
+    /// committer overlaps that commit, where the worker used to wait for
+    /// the commit, then for the lease. Not started at shutdown, nor if the
+    /// batch ended first; once started, it is awaited to its end. The
+    /// batch it leases is processed only after this one, with its own
+    /// handler turn: a worker still runs one handler at a time.
+    pub(super) async fn process_batch_then<T>(
+        &self,
+        batch: &[LeasedMessage],
+        leased_at: Instant,
+        shutdown: &Shutdown,
+        then_lease: impl Future<Output = T>,
+    ) -> (usize, Option<T>) {
         let turn = Arc::new(Semaphore::new(1));
         let slots: Vec<Slot> = batch.iter().map(|_| Slot::taking_turns(turn.clone())).collect();
         let work = async {
@@ -160,12 +203,48 @@ impl QueueRunner {
             })
             .await
         };
-        tokio::select! {
-            biased;
-            () = work => {}
-            () = self.renew_batch(batch, &slots, leased_at) => {}
+        let processed = async {
+            tokio::select! {
+                biased;
+                () = work => {}
+                () = self.renew_batch(batch, &slots, leased_at) => {}
+            }
+        };
+        // Set once `next` began: from then on it is awaited to its end.
+        let began = std::sync::atomic::AtomicBool::new(false);
+        let then = async {
+            let last = slots.last()?;
+            last.moved_on().await;
+            if shutdown.is_requested() {
+                return None;
+            }
+            began.store(true, Ordering::Relaxed);
+            Some(then_lease.await)
+        };
+        tokio::pin!(processed, then);
+        let (mut processed_done, mut then_done, mut out) = (false, false, None);
+        loop {
+            tokio::select! {
+                () = &mut processed, if !processed_done => processed_done = true,
+                r = &mut then, if !then_done => {
+                    out = r;
+                    then_done = true;
+                }
+            }
+            if processed_done && (then_done || !began.load(Ordering::Relaxed)) {
+                break;
+            }
         }
-        slots.iter().filter(|s| s.lost_before_outcome()).count()
+        (slots.iter().filter(|s| s.lost_before_outcome()).count(), out)
+    }
+
+    /// Release every message of a lease not processed.
+    async fn release_all(&self, leased: super::lease::Leased) {
+        if let Ok(batch) = leased.share {
+            for lm in &batch {
+                self.release(lm).await;
+            }
+        }
     }
 
     /// One message of a batch: after `before` (the message ahead of it)
@@ -352,6 +431,54 @@ mod tests {
         // handler after the first runs during the commit before it: 5 s.
         let took = started.elapsed();
         assert!(took >= Duration::from_secs(5) && took < Duration::from_secs(6), "{took:?}");
+    }
+
+    /// The worker's next lease starts while its batch's last message
+    /// commits, not after: with 1 s handlers and 1 s commits, the lease
+    /// (here 1.5 s) ends half a second after the batch; and a lease begun
+    /// is finished even though the batch ended first.
+    #[tokio::test(start_paused = true)]
+    async fn the_next_lease_overlaps_the_last_commit() {
+        let (_dir, base) = store();
+        let plan = FaultPlan {
+            commit_delay: Some(Duration::from_secs(1)),
+            ..FaultPlan::default()
+        };
+        let (faulty, _) = FaultyStore::new(base.clone(), plan);
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let lease = Duration::from_secs(30);
+        let batch = leased(&store, 2, lease).await;
+        let r = runner(&store, slow_writer(Duration::from_secs(1)), lease);
+        let rx = crate::shutdown::Shutdown::never();
+        let started = tokio::time::Instant::now();
+        let began = std::sync::Mutex::new(None);
+        let (lost, next) = r
+            .process_batch_then(&batch, started, &rx, async {
+                *began.lock().unwrap() = Some(started.elapsed());
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                "leased"
+            })
+            .await;
+        assert_eq!((lost, next), (0, Some("leased")));
+        assert_eq!(rows(&base).await, 2);
+        // Handler 1 (0-1 s), commit 1 and handler 2 (1-2 s), commit 2
+        // (2-3 s): the lease began when commit 2 did, and ended at 3.5 s.
+        let began = began.lock().unwrap().unwrap();
+        assert!(began >= Duration::from_secs(2) && began < Duration::from_millis(2100), "{began:?}");
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(3500) && took < Duration::from_millis(3600),
+            "{took:?}"
+        );
+
+        // At shutdown, no next lease.
+        let batch = leased(&store, 1, lease).await;
+        let (stop, rx) = crate::shutdown::channel();
+        stop.request();
+        let (_, next) = r
+            .process_batch_then(&batch, tokio::time::Instant::now(), &rx, async { "leased" })
+            .await;
+        assert_eq!(next, None);
     }
 
     const MS: Duration = Duration::from_millis(1);
