@@ -67,6 +67,20 @@ async fn spanner_dedup_window() {
     suite::dedup_window(store, window).await
 }
 
+/// With 10 keys a transaction, 25 expired keys take three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_purge_forgets_every_expired_key_in_bounded_transactions() {
+    let (store, _) = spanner_db(
+        SCHEMA_SPANNER,
+        StoreOptions {
+            spanner_purge_chunk: 10,
+            ..Default::default()
+        },
+    )
+    .await;
+    suite::purge_forgets_every_expired_key_and_keeps_the_live_ones(store).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_batched_commits_isolate_each_message() {
     let (store, _) = spanner_db(SCHEMA_SPANNER, batched()).await;

@@ -62,6 +62,11 @@ async fn sqlite_dedup_window() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_purge_forgets_every_expired_key() {
+    suite::purge_forgets_every_expired_key_and_keeps_the_live_ones(db().store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_delayed_messages_in_due_order() {
     suite::delayed_messages_become_visible_in_due_order(db().store).await
 }

@@ -555,6 +555,10 @@ pub struct StoreOptions {
     /// commit, a client's creation); one that passes replaces the
     /// connection.
     pub spanner_call_timeout: Duration,
+    /// Spanner: most expired dedup keys the purge deletes in one
+    /// transaction (with its index entries, two mutations a key: Spanner
+    /// refuses a commit of more than 80,000). Not a setting.
+    pub spanner_purge_chunk: usize,
     /// Group commit (`[commit]`).
     pub commit: commit::CommitOptions,
 }
@@ -581,6 +585,7 @@ impl Default for StoreOptions {
             spanner_clients: 16,
             spanner_exclusive_clients: None,
             spanner_call_timeout: Duration::from_secs(10),
+            spanner_purge_chunk: 4_000,
             commit: commit::CommitOptions::default(),
         }
     }

@@ -42,6 +42,45 @@ pub async fn dedup_window(store: Arc<dyn Store>, window: Duration) {
     s.dedup_purge().await.unwrap();
 }
 
+/// The purge forgets every expired key, however many (on Spanner in
+/// transactions of `spanner_purge_chunk` keys), and keeps the live ones:
+/// an expired key can be sent again, a live one is still a duplicate.
+pub async fn purge_forgets_every_expired_key_and_keeps_the_live_ones(store: Arc<dyn Store>) {
+    let s = store.as_ref();
+    let keyed = |k: String, window: Duration| SendParams {
+        dedup_key: Some(k),
+        dedup_window: Some(window),
+        ..send("q", "d")
+    };
+    let short = Duration::from_millis(200);
+    s.message_send((0..25).map(|i| keyed(format!("old-{i}"), short)).collect())
+        .await
+        .unwrap();
+    s.message_send((0..5).map(|i| keyed(format!("live-{i}"), Duration::from_secs(3600))).collect())
+        .await
+        .unwrap();
+    let purged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (st, count) = (store.clone(), purged.clone());
+    wait_until("the expired keys to be purged", Duration::from_secs(60), move || {
+        let (st, count) = (st.clone(), count.clone());
+        async move {
+            let n = st.dedup_purge().await.unwrap();
+            count.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n >= 25
+        }
+    })
+    .await;
+    assert_eq!(purged.load(std::sync::atomic::Ordering::Relaxed), 25, "only the expired keys");
+    assert_eq!(s.dedup_purge().await.unwrap(), 0, "nothing left to purge");
+    assert!(matches!(
+        s.message_send(vec![keyed("old-7".into(), short)]).await.unwrap()[0],
+        SendOutcome::Sent { .. }
+    ));
+    assert!(matches!(
+        s.message_send(vec![keyed("live-3".into(), short)]).await.unwrap()[0],
+        SendOutcome::Duplicate { .. }
+    ));
+}
+
 pub async fn delayed_messages_become_visible_in_due_order(store: Arc<dyn Store>) {
     let s = store.as_ref();
     let delayed = |p: &str, ms: u64| SendParams {

@@ -139,6 +139,10 @@ pub(super) fn dead_letter_table() -> TableSchema {
     )
 }
 
+/// Most transactions one dedup purge runs (each of `spanner_purge_chunk`
+/// keys); the rest waits for the next run, a minute later.
+const PURGE_CHUNKS: usize = 64;
+
 pub(super) const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
 
 pub(super) fn dead_letter_from(row: Row) -> DeadLetter {
@@ -378,14 +382,38 @@ impl Store for SpannerStore {
         self.query_rows(select_stmt(&t, &[], Some(usize::MAX >> 2)), &t).await
     }
 
+    /// In transactions of at most `spanner_purge_chunk` keys (ties at a
+    /// chunk's last expiry go with it), oldest first, up to
+    /// [`PURGE_CHUNKS`] of them a run. One `DELETE` of every expired key
+    /// was one transaction whatever their number: a minute of a busy
+    /// host's keys is tens of thousands, over Spanner's 80,000 mutations
+    /// a commit with their index entries, so the purge failed at steady
+    /// state, every minute, against a growing table.
     async fn dedup_purge(&self) -> StoreResult<u64> {
-        let n = self
-            .rw("the dedup purge", |tx| async move {
-                tx.execute_update(Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build())
+        let chunk = self.options.spanner_purge_chunk.clamp(1, i64::MAX as usize) as i64;
+        let mut purged = 0u64;
+        for _ in 0..PURGE_CHUNKS {
+            let n = self
+                .rw("the dedup purge", move |tx| async move {
+                    tx.execute_update(
+                        Statement::builder(format!(
+                            "DELETE FROM onceq_dedup WHERE expires_at <= (
+                                 SELECT MAX(expires_at) FROM (
+                                     SELECT expires_at FROM onceq_dedup WHERE expires_at <= {NOW}
+                                     ORDER BY expires_at LIMIT @n))"
+                        ))
+                        .add_param("n", chunk)
+                        .build(),
+                    )
                     .await
-            })
-            .await?;
-        Ok(n.max(0) as u64)
+                })
+                .await?;
+            purged += n.max(0) as u64;
+            if n < chunk {
+                break;
+            }
+        }
+        Ok(purged)
     }
 
     async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
