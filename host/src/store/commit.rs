@@ -52,7 +52,31 @@ pub struct Pending {
     pub ack: Option<Lease>,
 }
 
+/// Most [`Pending::mutations`] one batch commits, whatever `max_batch`
+/// says: half of Spanner's 80,000 mutations a commit, the rest left for
+/// the business tables' secondary indexes, which onceq does not count. A
+/// message heavier than this alone still commits alone (its own
+/// transaction is then the database's to refuse).
+pub const MAX_BATCH_MUTATIONS: usize = 40_000;
+
 impl Pending {
+    /// What committing this costs in Spanner's mutations, estimated: a
+    /// cell per written column (one for a delete), a message row
+    /// (`onceq_messages`' 10 columns and its index) and a dedup claim per
+    /// send, a held key, the ack.
+    pub fn mutations(&self) -> usize {
+        let writes: usize = self
+            .writes
+            .iter()
+            .map(|w| match w.op {
+                crate::value::WriteOp::Delete => 1,
+                _ => w.values.iter().filter(|v| v.is_some()).count().max(1),
+            })
+            .sum();
+        let sends: usize = self.sends.iter().map(|p| 12 + if p.dedup_key.is_some() { 6 } else { 0 }).sum();
+        writes + sends + 3 * self.holds.len() + 2
+    }
+
     /// Record a read the handler made (re-checked at commit).
     pub fn read(&mut self, table: &TableSchema, key: &[Value], limit: Option<usize>, result: Vec<Row>) {
         self.reads.push(ReadRecord {
@@ -640,13 +664,20 @@ async fn committer(
             let mut q = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let (first, rx, senders, later) = &mut *q;
             let mut batch = Vec::new();
+            let mut weight = 0;
             let mut next = first.take();
             while let Some((p, tx)) = next {
+                weight += p.mutations();
                 batch.push(p);
                 senders.push(tx);
                 next = None;
                 while senders.len() < options.max_batch {
                     match rx.try_recv() {
+                        // Too heavy for this batch: the first of the next.
+                        Ok(Job::Commit(p, tx)) if weight + p.mutations() > MAX_BATCH_MUTATIONS => {
+                            later.push_back(Job::Commit(p, tx));
+                            break;
+                        }
                         Ok(Job::Commit(p, tx)) => {
                             next = Some((p, tx));
                             break;
@@ -852,6 +883,49 @@ mod tests {
         assert!(sizes.iter().all(|&n| n <= 16), "max_batch holds: {sizes:?}");
         assert!(sizes.len() < 40, "grouped: {sizes:?}");
         assert_eq!(group.messages.load(Ordering::Relaxed), 40);
+    }
+
+    /// Heavy messages (1,500 follow-ups each: 18,002 mutations) fill a
+    /// batch by weight long before `max_batch`: two to a batch at most,
+    /// each message committed once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_holds_at_most_max_batch_mutations() {
+        let rec = Arc::new(Recorder {
+            sizes: Mutex::new(vec![]),
+            calls: AtomicUsize::new(0),
+        });
+        let options = CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::from_millis(50),
+            ..CommitOptions::default()
+        };
+        let heavy = |id: &str| Pending {
+            sends: vec![SendParams::default(); 1_500],
+            ..pending(id)
+        };
+        assert_eq!(heavy("x").mutations(), 18_002);
+        let group = Arc::new(Group::new(options, rec.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..8 {
+            let (g, p) = (group.clone(), heavy(&format!("m-{i}")));
+            tasks.spawn(async move { g.commit(p).await });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r.unwrap().unwrap();
+        }
+        let sizes = rec.sizes.lock().unwrap().clone();
+        assert_eq!(sizes.iter().sum::<usize>(), 8, "every pending committed once: {sizes:?}");
+        assert!(
+            sizes.iter().all(|&n| n <= 2),
+            "at most {MAX_BATCH_MUTATIONS} mutations a batch: {sizes:?}"
+        );
+        // A message heavier than the bound still commits, alone.
+        let huge = Pending {
+            sends: vec![SendParams::default(); 5_000],
+            ..pending("huge")
+        };
+        group.commit(huge).await.unwrap();
+        assert_eq!(rec.sizes.lock().unwrap().last(), Some(&1));
     }
 
     #[tokio::test]
