@@ -318,6 +318,10 @@ impl Pool {
     }
 }
 
+/// Attempts of one read-write transaction the client's runner makes
+/// across aborts, keeping the first attempt's lock priority.
+const ABORT_ATTEMPTS: u32 = 8;
+
 /// The pause before re-running an aborted transaction: 2 ms growing by
 /// half per abort up to 50 ms, jittered (full jitter).
 pub(super) fn abort_pause(aborts: u32) -> Duration {
@@ -342,8 +346,15 @@ where
     client
         .read_write_transaction()
         .with_transaction_timeout(deadline.mul_f64(0.8))
-        // One attempt: aborts are re-run by `Pool::rw`.
-        .with_retry_policy(google_cloud_spanner::transaction::BasicTransactionRetryPolicy::new().with_max_attempts(1))
+        // The client's runner re-runs an aborted attempt itself, passing
+        // the aborted transaction's id (`multiplexed_session_previous_
+        // transaction_id`), so the retry keeps its wound-wait priority: a
+        // 64-message batch, the largest lock set, is not made young by
+        // every abort and starved. After ABORT_ATTEMPTS, `Pool::rw` starts
+        // over with a new transaction (until its deadline).
+        .with_retry_policy(
+            google_cloud_spanner::transaction::BasicTransactionRetryPolicy::new().with_max_attempts(ABORT_ATTEMPTS),
+        )
         .build()
         .run(move |tx: RwTx| work(tx))
         .await
