@@ -172,6 +172,27 @@ fn sigkill_mid_run_then_restart_loses_nothing_and_doubles_nothing() {
     p.assert_exactly_once(n);
 }
 
+/// `onceq stats --json | head -c 10`: a reader that goes away ends onceq
+/// quietly (141, as SIGPIPE ends other tools), not with a panic (101).
+#[test]
+fn a_closed_stdout_ends_onceq_quietly() {
+    let p = Project::new("");
+    p.ok(&["init"]);
+    for args in [&["stats", "--json"][..], &["peek", "payments"][..], &["stats"][..]] {
+        let mut child = p.cmd(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // The reader goes away before onceq prints (it opens the store first).
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            matches!(out.status.code(), Some(141) | Some(0)),
+            "{args:?}: {:?} {stderr}",
+            out.status
+        );
+    }
+}
+
 #[test]
 fn sigterm_finishes_in_flight_work_and_exits_zero() {
     let p = Project::new("workers = 2\nbatch = 64");

@@ -311,7 +311,28 @@ where
     }
 }
 
+/// A reader that went away (`onceq stats --json | head -c 10`) ends onceq
+/// quietly, as it ends other Unix tools: status 141 (128 + SIGPIPE), where
+/// printing to the closed pipe panicked (status 101 and a panic message).
+/// Any other panic is reported as before.
+fn quiet_on_closed_pipe() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        report(info);
+    }));
+}
+
 pub fn main() -> ExitCode {
+    quiet_on_closed_pipe();
     let cli = Cli::parse();
     // The demo prints its own summary; per-message logs would drown it
     // (its poison messages and injected faults are counted there).

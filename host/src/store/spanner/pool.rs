@@ -352,9 +352,7 @@ where
         // 64-message batch, the largest lock set, is not made young by
         // every abort and starved. After ABORT_ATTEMPTS, `Pool::rw` starts
         // over with a new transaction (until its deadline).
-        .with_retry_policy(
-            google_cloud_spanner::transaction::BasicTransactionRetryPolicy::new().with_max_attempts(ABORT_ATTEMPTS),
-        )
+        .with_retry_policy(google_cloud_spanner::transaction::BasicTransactionRetryPolicy::new().with_max_attempts(ABORT_ATTEMPTS))
         .build()
         .run(move |tx: RwTx| work(tx))
         .await
