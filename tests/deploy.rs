@@ -272,6 +272,50 @@ tables = ["tally"]
     host.stop().await;
 }
 
+/// A tally test case that expects the row a build of that name writes.
+fn tally_case(build: &str) -> String {
+    format!(
+        "[[case]]\nname = \"counts a message\"\nmessage = {{}}\n\
+         writes = [{{ table = \"tally\", row = {{ id = \"m-1\", n = 1, build = \"{build}\" }} }}]\n"
+    )
+}
+
+/// `onceq dev` running in the host's folder, its output in a file.
+struct Dev {
+    child: tokio::process::Child,
+    out: std::path::PathBuf,
+    _logs: tempfile::TempDir,
+}
+
+impl Dev {
+    fn start(host: &Host, args: &[&str]) -> Dev {
+        let logs = tempfile::tempdir().unwrap();
+        let out = logs.path().join("dev.out");
+        let child = host
+            .cmd(&[&["dev"][..], args].concat())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(logs.path().join("dev.err")).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Dev { child, out, _logs: logs }
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+
+    /// Wait until `n` rounds ended (each says it is watching); their output.
+    async fn rounds(&self, n: usize, what: &str) -> String {
+        wait_until(what, Duration::from_secs(120), || {
+            let text = self.text();
+            async move { text.matches("watching").count() >= n }
+        })
+        .await;
+        self.text()
+    }
+}
+
 /// `onceq dev`, the author's loop, against a running host: it builds with
 /// the project's command, runs the test cases, and hot-swaps the component
 /// only when they pass; a change of the component or of a test file starts
@@ -291,13 +335,7 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
          [[queue]]\nname = \"tally\"\nhandler = \"build/tally.wasm\"\ntables = [\"tally\"]\n",
     )
     .unwrap();
-    let case = |build: &str| {
-        format!(
-            "[[case]]\nname = \"counts a message\"\nmessage = {{}}\n\
-             writes = [{{ table = \"tally\", row = {{ id = \"m-1\", n = 1, build = \"{build}\" }} }}]\n"
-        )
-    };
-    std::fs::write(d.join("tally.test.toml"), case("tally-v1")).unwrap();
+    std::fs::write(d.join("tally.test.toml"), tally_case("tally-v1")).unwrap();
     let mut host = Host::new(dir);
     host.ok(&["init"]).await;
     host.start().await;
@@ -306,25 +344,8 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
         version_of(&std::fs::read(guest("tally_v2")).unwrap()),
     );
 
-    let logs = tempfile::tempdir().unwrap();
-    let out_path = logs.path().join("dev.out");
-    let mut dev = host
-        .cmd(&["dev", "--build", "cp src/handler.wasm build/tally.wasm", "--poll", "100ms"])
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(logs.path().join("dev.err")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let out = || std::fs::read_to_string(&out_path).unwrap_or_default();
-    let rounds = |n: usize| {
-        let out_path = out_path.clone();
-        move || {
-            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-            async move { text.matches("watching").count() >= n }
-        }
-    };
-    wait_until("dev's first round", Duration::from_secs(120), rounds(1)).await;
-    let text = out();
+    let mut dev = Dev::start(&host, &["--build", "cp src/handler.wasm build/tally.wasm", "--poll", "100ms"]);
+    let text = dev.rounds(1, "dev's first round").await;
     assert!(
         text.contains("building: cp src/handler.wasm build/tally.wasm") && text.contains("1 case passed"),
         "{text}"
@@ -336,8 +357,7 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
 
     // A new build whose test case fails: reported, not deployed.
     std::fs::copy(guest("tally_v2"), host.dir.path().join("src/handler.wasm")).unwrap();
-    wait_until("dev's second round", Duration::from_secs(120), rounds(2)).await;
-    let text = out();
+    let text = dev.rounds(2, "dev's second round").await;
     assert!(text.contains("changed: src/handler.wasm"), "{text}");
     assert!(
         text.contains("FAIL  counts a message") && text.contains(r#"build: "tally-v2""#),
@@ -347,9 +367,8 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
     assert_eq!(host.active().await["version"], h1.as_str(), "a failing build is not deployed");
 
     // The case updated to the new behaviour: it passes and is deployed.
-    std::fs::write(host.dir.path().join("tally.test.toml"), case("tally-v2")).unwrap();
-    wait_until("dev's third round", Duration::from_secs(120), rounds(3)).await;
-    let text = out();
+    std::fs::write(host.dir.path().join("tally.test.toml"), tally_case("tally-v2")).unwrap();
+    let text = dev.rounds(3, "dev's third round").await;
     assert!(text.contains(&format!("deployed {h2} to tally")), "{text}");
     assert_eq!(host.active().await["version"], h2.as_str());
 
@@ -358,11 +377,10 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
     std::fs::copy(guest("tally_v1"), host.dir.path().join("other.wasm")).unwrap();
     std::fs::write(
         host.dir.path().join("tally.test.toml"),
-        format!("component = \"other.wasm\"\n{}", case("tally-v1")),
+        format!("component = \"other.wasm\"\n{}", tally_case("tally-v1")),
     )
     .unwrap();
-    wait_until("dev's fourth round", Duration::from_secs(120), rounds(4)).await;
-    let text = out();
+    let text = dev.rounds(4, "dev's fourth round").await;
     let round4 = text.rsplit("changed:").next().unwrap_or_default();
     assert!(round4.contains("1 case passed"), "{text}");
     assert!(
@@ -370,7 +388,7 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
         "{text}"
     );
     assert!(!round4.contains(&format!("deployed {h2} to")), "{text}");
-    dev.kill().await.unwrap();
+    dev.child.kill().await.unwrap();
     host.stop().await;
 }
 
@@ -391,56 +409,34 @@ async fn dev_waits_for_a_component_not_built_yet() {
          [[queue]]\nname = \"later\"\nhandler = \"build/later.wasm\"\ntables = [\"tally\"]\n",
     )
     .unwrap();
-    let case = |build: &str| {
-        format!(
-            "[[case]]\nname = \"counts a message\"\nmessage = {{}}\n\
-             writes = [{{ table = \"tally\", row = {{ id = \"m-1\", n = 1, build = \"{build}\" }} }}]\n"
-        )
-    };
-    std::fs::write(d.join("tally.test.toml"), format!("queue = \"tally\"\n{}", case("tally-v1"))).unwrap();
-    std::fs::write(d.join("later.test.toml"), format!("queue = \"later\"\n{}", case("tally-v2"))).unwrap();
+    std::fs::write(d.join("tally.test.toml"), format!("queue = \"tally\"\n{}", tally_case("tally-v1"))).unwrap();
+    std::fs::write(d.join("later.test.toml"), format!("queue = \"later\"\n{}", tally_case("tally-v2"))).unwrap();
     let host = Host::new(dir);
 
-    let logs = tempfile::tempdir().unwrap();
-    let out_path = logs.path().join("dev.out");
-    let mut dev = host
-        .cmd(&[
-            "dev",
+    let mut dev = Dev::start(
+        &host,
+        &[
             "--no-deploy",
             "--build",
             "test ! -f src/later.wasm || cp src/later.wasm build/later.wasm",
             "--poll",
             "100ms",
-        ])
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(logs.path().join("dev.err")).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let out = || std::fs::read_to_string(&out_path).unwrap_or_default();
-    let rounds = |n: usize| {
-        let out_path = out_path.clone();
-        move || {
-            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-            async move { text.matches("watching").count() >= n }
-        }
-    };
-    wait_until("dev's first round", Duration::from_secs(120), rounds(1)).await;
-    let text = out();
+        ],
+    );
+    let text = dev.rounds(1, "dev's first round").await;
     assert!(
         text.contains("the component build/later.wasm is not built yet") && text.contains("FAILED: watching"),
         "{text}"
     );
-    assert!(dev.try_wait().unwrap().is_none(), "dev keeps watching: {text}");
+    assert!(dev.child.try_wait().unwrap().is_none(), "dev keeps watching: {text}");
 
     // Its source written, the build makes it: the next round runs both
     // queues' cases.
     std::fs::create_dir_all(host.dir.path().join("src")).unwrap();
     std::fs::copy(guest("tally_v2"), host.dir.path().join("src/later.wasm")).unwrap();
-    wait_until("dev's second round", Duration::from_secs(120), rounds(2)).await;
-    let text = out();
+    let text = dev.rounds(2, "dev's second round").await;
     let round2 = text.rsplit("changed:").next().unwrap_or_default();
     assert!(round2.contains("src/later.wasm"), "{text}");
     assert!(round2.contains("2 cases passed") && round2.contains("ok: watching"), "{text}");
-    dev.kill().await.unwrap();
+    dev.child.kill().await.unwrap();
 }

@@ -344,8 +344,9 @@ fn raw_sqlite_full(dir: &Path, name: &str, n: usize, per_commit: usize, deliver:
                 .unwrap();
             // The outbox: a message on the connector's queue, its key
             // claimed in the dedup table (what onceq writes for an intent).
-            // Ordered by creation, as onceq's ids are.
-            let intent_id = format!("{:016x}{:016x}", i_intent(done), 1);
+            // Ordered by creation, as onceq's ids are, after every
+            // message id.
+            let intent_id = format!("{:032x}", (1u128 << 64) + done as u128);
             let key = format!("charge-{order}");
             let claimed = tx
                 .prepare_cached(&format!(
@@ -400,11 +401,6 @@ fn raw_sqlite_full(dir: &Path, name: &str, n: usize, per_commit: usize, deliver:
     (run, written)
 }
 
-/// The raw loop's intent ids: after every message id.
-fn i_intent(done: usize) -> u64 {
-    (1 << 40) + done as u64
-}
-
 /// The raw loop's delivery of up to `n` intents: leased, appended to
 /// `sink` with one `fdatasync`, then deleted with their keys held (for
 /// the dedup window, here a day) in one commit.
@@ -427,13 +423,12 @@ fn raw_deliver(c: &mut rusqlite::Connection, sink: &mut std::fs::File, n: usize)
             .collect()
     };
     let mut lines = Vec::new();
-    for (id, payload, attributes) in &leased {
+    let key_of = |attributes: &str| -> String {
         let attrs: Vec<(String, String)> = serde_json::from_str(attributes).unwrap();
-        let key = attrs
-            .iter()
-            .find(|(k, _)| k == "onceq.idempotency-key")
-            .map(|(_, v)| v.clone())
-            .unwrap();
+        attrs.into_iter().find(|(k, _)| k == "onceq.idempotency-key").unwrap().1
+    };
+    let keys: Vec<String> = leased.iter().map(|(_, _, attributes)| key_of(attributes)).collect();
+    for ((id, payload, _), key) in leased.iter().zip(&keys) {
         lines.extend_from_slice(
             serde_json::json!({"id": id, "key": key, "payload": String::from_utf8_lossy(payload)})
                 .to_string()
@@ -444,9 +439,7 @@ fn raw_deliver(c: &mut rusqlite::Connection, sink: &mut std::fs::File, n: usize)
     sink.write_all(&lines).unwrap();
     sink.sync_data().unwrap();
     let tx = c.transaction().unwrap();
-    for (id, _, attributes) in &leased {
-        let attrs: Vec<(String, String)> = serde_json::from_str(attributes).unwrap();
-        let key = &attrs.iter().find(|(k, _)| k == "onceq.idempotency-key").unwrap().1;
+    for ((id, _, _), key) in leased.iter().zip(&keys) {
         let gone = tx
             .prepare_cached("DELETE FROM onceq_messages WHERE id = ?1 AND lease_token = ?2")
             .unwrap()

@@ -210,7 +210,7 @@ impl QueueRunner {
                 () = self.renew_batch(batch, &slots, leased_at) => {}
             }
         };
-        // Set once `next` began: from then on it is awaited to its end.
+        // Set once `then_lease` began: from then on it is awaited to its end.
         let began = std::sync::atomic::AtomicBool::new(false);
         let then = async {
             let last = slots.last()?;
@@ -392,18 +392,24 @@ mod tests {
         running.await.unwrap();
     }
 
-    /// A worker's next message runs its handler while the previous one
-    /// commits, one handler at a time, and the messages still commit in
-    /// order of their batch.
-    #[tokio::test(start_paused = true)]
-    async fn the_next_message_is_handled_while_the_previous_one_commits() {
-        let (_dir, base) = store();
+    /// A SQLite store (`base`) and the same store with every commit taking
+    /// 1 s.
+    fn slow_commits() -> (tempfile::TempDir, Arc<dyn Store>, Arc<dyn Store>) {
+        let (dir, base) = store();
         let plan = FaultPlan {
             commit_delay: Some(Duration::from_secs(1)),
             ..FaultPlan::default()
         };
         let (faulty, _) = FaultyStore::new(base.clone(), plan);
-        let store: Arc<dyn Store> = Arc::new(faulty);
+        (dir, base, Arc::new(faulty))
+    }
+
+    /// A worker's next message runs its handler while the previous one
+    /// commits, one handler at a time, and the messages still commit in
+    /// order of their batch.
+    #[tokio::test(start_paused = true)]
+    async fn the_next_message_is_handled_while_the_previous_one_commits() {
+        let (_dir, base, store) = slow_commits();
         let lease = Duration::from_secs(30);
         let batch = leased(&store, 4, lease).await;
         // A 1 s handler that counts how many of it run at once.
@@ -439,13 +445,7 @@ mod tests {
     /// is finished even though the batch ended first.
     #[tokio::test(start_paused = true)]
     async fn the_next_lease_overlaps_the_last_commit() {
-        let (_dir, base) = store();
-        let plan = FaultPlan {
-            commit_delay: Some(Duration::from_secs(1)),
-            ..FaultPlan::default()
-        };
-        let (faulty, _) = FaultyStore::new(base.clone(), plan);
-        let store: Arc<dyn Store> = Arc::new(faulty);
+        let (_dir, base, store) = slow_commits();
         let lease = Duration::from_secs(30);
         let batch = leased(&store, 2, lease).await;
         let r = runner(&store, slow_writer(Duration::from_secs(1)), lease);

@@ -665,21 +665,22 @@ async fn committer(
             let (first, rx, senders, later) = &mut *q;
             let mut batch = Vec::new();
             let mut weight = 0;
-            let mut next = first.take();
-            while let Some((p, tx)) = next {
-                weight += p.mutations();
+            let mut next = first.take().map(|(p, tx)| (p.mutations(), p, tx));
+            while let Some((mutations, p, tx)) = next {
+                weight += mutations;
                 batch.push(p);
                 senders.push(tx);
                 next = None;
                 while senders.len() < options.max_batch {
                     match rx.try_recv() {
-                        // Too heavy for this batch: the first of the next.
-                        Ok(Job::Commit(p, tx)) if weight + p.mutations() > MAX_BATCH_MUTATIONS => {
-                            later.push_back(Job::Commit(p, tx));
-                            break;
-                        }
                         Ok(Job::Commit(p, tx)) => {
-                            next = Some((p, tx));
+                            let mutations = p.mutations();
+                            if weight + mutations > MAX_BATCH_MUTATIONS {
+                                // Too heavy for this batch: the first of the next.
+                                later.push_back(Job::Commit(p, tx));
+                            } else {
+                                next = Some((mutations, p, tx));
+                            }
                             break;
                         }
                         Ok(other) => later.push_back(other),
@@ -729,6 +730,15 @@ mod tests {
     struct Recorder {
         sizes: Mutex<Vec<usize>>,
         calls: AtomicUsize,
+    }
+
+    impl Recorder {
+        fn new() -> Arc<Recorder> {
+            Arc::new(Recorder {
+                sizes: Mutex::new(vec![]),
+                calls: AtomicUsize::new(0),
+            })
+        }
     }
 
     #[async_trait]
@@ -852,10 +862,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_commits_are_grouped_and_each_gets_its_own_result() {
-        let rec = Arc::new(Recorder {
-            sizes: Mutex::new(vec![]),
-            calls: AtomicUsize::new(0),
-        });
+        let rec = Recorder::new();
         let options = CommitOptions {
             max_batch: 16,
             max_wait: Duration::from_millis(20),
@@ -890,10 +897,7 @@ mod tests {
     /// each message committed once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_holds_at_most_max_batch_mutations() {
-        let rec = Arc::new(Recorder {
-            sizes: Mutex::new(vec![]),
-            calls: AtomicUsize::new(0),
-        });
+        let rec = Recorder::new();
         let options = CommitOptions {
             max_batch: 64,
             max_wait: Duration::from_millis(50),
@@ -930,10 +934,7 @@ mod tests {
 
     #[tokio::test]
     async fn max_batch_one_commits_each_message_alone() {
-        let rec = Arc::new(Recorder {
-            sizes: Mutex::new(vec![]),
-            calls: AtomicUsize::new(0),
-        });
+        let rec = Recorder::new();
         let options = CommitOptions {
             max_batch: 1,
             max_wait: Duration::ZERO,
@@ -949,10 +950,7 @@ mod tests {
     /// commit asked for after it is refused without being written.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stop_commits_what_is_queued_then_refuses() {
-        let rec = Arc::new(Recorder {
-            sizes: Mutex::new(vec![]),
-            calls: AtomicUsize::new(0),
-        });
+        let rec = Recorder::new();
         let group = Arc::new(Group::new(CommitOptions::default(), rec.clone()));
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..20 {
