@@ -19,6 +19,9 @@ use onceq::protocol::{
 use onceq::runtime::{HandlerLimits, Runtime, RuntimeConfig, WasmHandler};
 use onceq::schema::{Schema, TableSchema, ValidWrite};
 use onceq::store::sqlite::SqliteStore;
+use onceq::store::{
+    commit, DeadLetter, DeadLetterParams, DedupKey, LeaseParams, LeasedMessage, QueuedMessage, Queues, RetryParams, SendOutcome, Stats,
+};
 use onceq::store::{Lease, SendParams, Store, StoreOptions, StoreResult, Transaction};
 use onceq::value::{Effect, Intent, Message, Row, RowWrite, Value, WriteOp};
 use std::path::Path;
@@ -228,6 +231,151 @@ async fn pipeline_with(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usi
     let (store, _) = fresh_db_with(dir, name, options);
     queue_orders(store.as_ref(), n, 1000).await;
     pipeline_on(store, handler, n, workers).await
+}
+
+/// At-least-once on the same pipeline, to show what exactly-once costs:
+/// the handler's writes, follow-ups and intents commit in one transaction,
+/// the ack in a transaction of its own after it (both through the same
+/// group commit), as a queue whose ack is not part of the business
+/// transaction. A crash between the two would apply the message twice.
+struct AckApart(Arc<dyn Store>);
+
+struct AckApartTx {
+    store: Arc<dyn Store>,
+    inner: Box<dyn Transaction>,
+    acks: Vec<Lease>,
+}
+
+impl AckApartTx {
+    async fn ack(store: &dyn Store, acks: Vec<Lease>) -> StoreResult<()> {
+        let mut tx = store.transaction_begin().await?;
+        for l in &acks {
+            tx.message_ack(l);
+        }
+        tx.commit().await
+    }
+}
+
+#[async_trait]
+impl Transaction for AckApartTx {
+    async fn row_get(&mut self, t: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
+        self.inner.row_get(t, key).await
+    }
+    async fn row_scan(&mut self, t: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
+        self.inner.row_scan(t, prefix, limit).await
+    }
+    fn row_write(&mut self, w: ValidWrite) {
+        self.inner.row_write(w)
+    }
+    fn message_enqueue(&mut self, p: SendParams) {
+        self.inner.message_enqueue(p)
+    }
+    fn dedup_hold(&mut self, q: &str, k: &str, w: Duration) {
+        self.inner.dedup_hold(q, k, w)
+    }
+    fn message_ack(&mut self, l: &Lease) {
+        self.acks.push(l.clone())
+    }
+    async fn commit(self: Box<Self>) -> StoreResult<()> {
+        self.inner.commit().await?;
+        AckApartTx::ack(self.store.as_ref(), self.acks).await
+    }
+    async fn commit_held(self: Box<Self>, hold: commit::Hold) -> StoreResult<()> {
+        self.inner.commit_held(hold).await?;
+        AckApartTx::ack(self.store.as_ref(), self.acks).await
+    }
+    async fn rollback(self: Box<Self>) {
+        self.inner.rollback().await
+    }
+    async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
+        self.inner.rehearse().await
+    }
+}
+
+#[async_trait]
+impl Store for AckApart {
+    fn kind(&self) -> &'static str {
+        self.0.kind()
+    }
+    fn commit_stats(&self) -> Option<commit::CommitStats> {
+        self.0.commit_stats()
+    }
+    fn schema(&self) -> Arc<Schema> {
+        self.0.schema()
+    }
+    async fn message_send(&self, p: Vec<SendParams>) -> StoreResult<Vec<SendOutcome>> {
+        self.0.message_send(p).await
+    }
+    async fn message_lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
+        self.0.message_lease(p).await
+    }
+    async fn message_lease_collected(
+        &self,
+        queue: &str,
+        lease: Duration,
+        collect: &(dyn Fn() -> usize + Send + Sync),
+    ) -> StoreResult<Vec<LeasedMessage>> {
+        self.0.message_lease_collected(queue, lease, collect).await
+    }
+    async fn message_lease_renew(&self, leases: &[Lease], d: Duration) -> StoreResult<Vec<bool>> {
+        self.0.message_lease_renew(leases, d).await
+    }
+    async fn message_release(&self, l: &Lease) -> StoreResult<()> {
+        self.0.message_release(l).await
+    }
+    async fn message_retry_later(&self, l: &Lease, p: RetryParams) -> StoreResult<()> {
+        self.0.message_retry_later(l, p).await
+    }
+    async fn message_dead_letter(&self, l: &Lease, p: DeadLetterParams) -> StoreResult<()> {
+        self.0.message_dead_letter(l, p).await
+    }
+    async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
+        Ok(Box::new(AckApartTx {
+            store: self.0.clone(),
+            inner: self.0.transaction_begin().await?,
+            acks: Vec::new(),
+        }))
+    }
+    async fn commit_hold(&self) -> StoreResult<Option<commit::Hold>> {
+        self.0.commit_hold().await
+    }
+    async fn stats(&self) -> StoreResult<Stats> {
+        self.0.stats().await
+    }
+    async fn close(&self) {
+        self.0.close().await
+    }
+    async fn dead_letter_list(&self, q: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.0.dead_letter_list(q, limit).await
+    }
+    async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
+        self.0.dead_letter_get(id).await
+    }
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        self.0.dead_letter_replay(id).await
+    }
+    async fn message_list(&self, q: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
+        self.0.message_list(q, limit).await
+    }
+    async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
+        self.0.message_get(id).await
+    }
+    async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
+        self.0.table_rows(table).await
+    }
+    async fn dedup_purge(&self) -> StoreResult<u64> {
+        self.0.dedup_purge().await
+    }
+    async fn dedup_list(&self, q: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
+        self.0.dedup_list(q, within, limit).await
+    }
+}
+
+/// The group-commit pipeline at `workers`, at-least-once ([`AckApart`]).
+async fn at_least_once(dir: &Path, name: &str, handler: Arc<dyn Handler>, n: usize, workers: usize) -> Run {
+    let (store, _) = fresh_db(dir, name);
+    queue_orders(store.as_ref(), n, 1000).await;
+    pipeline_on(Arc::new(AckApart(store)), handler, n, workers).await
 }
 
 /// Queue `n` payments orders, `per_send` to a send.
@@ -774,7 +922,10 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
     };
     let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
     let (mut g1, mut g4, mut g16, mut s1, mut s4, mut raw1, mut raw16, mut raw64) = (None, None, None, None, None, None, None, None);
+    let (mut alo1, mut alo16) = (None, None);
     for r in 0..rounds {
+        alo1 = best(alo1, at_least_once(dir, &format!("alo1-{r}.db"), wasm.clone(), n, 1).await);
+        alo16 = best(alo16, at_least_once(dir, &format!("alo16-{r}.db"), wasm.clone(), n, 16).await);
         g1 = best(g1, pipeline_with(dir, &format!("g1-{r}.db"), wasm.clone(), n, 1, opts(64)).await);
         g4 = best(g4, pipeline_with(dir, &format!("g4-{r}.db"), wasm.clone(), n, 4, opts(64)).await);
         g16 = best(g16, pipeline_with(dir, &format!("g16-{r}.db"), wasm.clone(), n, 16, opts(64)).await);
@@ -784,12 +935,15 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
         raw16 = best(raw16, raw_sqlite_batched(dir, &format!("r16-{r}.db"), n, 16));
         raw64 = best(raw64, raw_sqlite_batched(dir, &format!("r64-{r}.db"), n, 64));
     }
-    let [g1, g4, g16, s1, s4, raw1, raw16, raw64] = [g1, g4, g16, s1, s4, raw1, raw16, raw64].map(Option::unwrap);
+    let [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16] =
+        [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16].map(Option::unwrap);
     println!("\n| group commit ({n} payments messages, Wasm handler, synchronous=FULL, best of {rounds}) | messages/s | p50 | p99 | messages per commit |");
     println!("|---|---|---|---|---|");
     row_per_commit("onceq, group commit (max_batch 64), 1 worker", &g1);
     row_per_commit("onceq, group commit (max_batch 64), 4 workers", &g4);
     row_per_commit("onceq, group commit (max_batch 64), 16 workers", &g16);
+    row_per_commit("onceq at-least-once (ack in its own transaction after the business commit), 1 worker", &alo1);
+    row_per_commit("onceq at-least-once (ack in its own transaction after the business commit), 16 workers", &alo16);
     row_per_commit("onceq, max_batch 1, 1 worker", &s1);
     row_per_commit("onceq, max_batch 1, 4 workers", &s4);
     row_per_commit("raw loop, one commit per message", &raw1);
@@ -812,6 +966,14 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
     println!(
         "| group commit: 4 workers / 1 worker | {:.2} | >= 1.5 |",
         g4.msgs_per_s / g1.msgs_per_s
+    );
+    println!(
+        "| exactly-once / at-least-once, 1 worker | {:.2} | >= 0.9 |",
+        g1.msgs_per_s / alo1.msgs_per_s
+    );
+    println!(
+        "| exactly-once / at-least-once, 16 workers | {:.2} | >= 0.9 |",
+        g16.msgs_per_s / alo16.msgs_per_s
     );
 
     // Memory with 1,024 messages in flight: 64 workers leasing 16 each.
@@ -895,10 +1057,16 @@ fn main() {
             println!("dispatch: median {:.1} µs, p99 {:.1} µs", w50 as f64 / 1000.0, w99 as f64 / 1000.0);
             return;
         }
+        // One guest's fresh-instance dispatch alone (for a profiler):
+        // ONCEQ_BENCH_ONLY=dispatch=guest-examples/target/js/payments.wasm
+        if let Some(p) = std::env::var("ONCEQ_BENCH_ONLY").ok().and_then(|v| Some(v.strip_prefix("dispatch=")?.to_owned())) {
+            let (_, h, _engine) = load_on_new_engine(&root.join(p), Some(&dir.path().join("cache")), reset_dirty_pages);
+            let (d50, d99) = warm_dispatch(&h, schema.clone(), calls).await;
+            println!("dispatch: median {:.1} µs, p99 {:.1} µs", d50 as f64 / 1000.0, d99 as f64 / 1000.0);
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("languages") {
-            group_commit(dir.path(), wasm.clone(), n).await;
-
-        languages(&root, &component, dir.path(), schema.clone(), calls).await;
+            languages(&root, &component, dir.path(), schema.clone(), calls).await;
             return;
         }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("group") {
