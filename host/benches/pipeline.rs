@@ -28,6 +28,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "pipeline/history.rs"]
+mod history;
+
 const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
 const ACCOUNTS: usize = 1000;
 
@@ -881,10 +884,10 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
     let lang_calls = (calls / 10).max(200);
     println!("\n| payments in | component | compile (cold) | load after a restart (cache) | dispatch median | dispatch p99 | dispatch median, `reset_dirty_pages = false` | pipeline, 1 worker ({ln} messages) |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (lang, path) in [
-        ("Rust", component.to_path_buf()),
-        ("Python (componentize-py)", root.join("guest-examples/target/python/payments.wasm")),
-        ("JavaScript (componentize-js)", root.join("guest-examples/target/js/payments.wasm")),
+    for (lang, key, path) in [
+        ("Rust", "rust", component.to_path_buf()),
+        ("Python (componentize-py)", "python", root.join("guest-examples/target/python/payments.wasm")),
+        ("JavaScript (componentize-js)", "js", root.join("guest-examples/target/js/payments.wasm")),
     ] {
         if !path.exists() {
             println!("| {lang} | not built ({}) | | | | | | |", path.display());
@@ -908,6 +911,8 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
             memset as f64 / 1000.0,
             run.msgs_per_s
         );
+        history::record(&format!("{key}_dispatch_us"), d50 as f64 / 1000.0);
+        history::record(&format!("{key}_pipeline_msgs_per_s"), run.msgs_per_s);
     }
 }
 
@@ -975,6 +980,7 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
         "| exactly-once / at-least-once, 16 workers | {:.2} | >= 0.9 |",
         g16.msgs_per_s / alo16.msgs_per_s
     );
+    history::record("exactly_once_over_at_least_once", g16.msgs_per_s / alo16.msgs_per_s);
 
     // Memory with 1,024 messages in flight: 64 workers leasing 16 each.
     let before = status_mib("VmRSS:");
@@ -1029,6 +1035,10 @@ fn main() {
         let (schema_store, _) = fresh_db(dir.path(), "schema.db");
         let schema = schema_store.schema();
 
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("history") {
+            history::redraw(&root);
+            return;
+        }
         if let Some(ns) = std::env::var("ONCEQ_BENCH_ONLY").ok().and_then(|v| v.strip_prefix("hosts=")?.parse().ok()) {
             hosts_on_emulator(dir.path(), &component, ns).await;
             return;
@@ -1177,6 +1187,7 @@ fn main() {
             // processes, is what is measured.
             hosts_on_emulator(dir.path(), &component, env_usize("ONCEQ_BENCH_HOSTS_ORDERS", 3000)).await;
         }
+        history::append_and_draw(&root);
     });
 }
 
@@ -1300,6 +1311,10 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     println!("| CLI default / CLI `commit.max_batch = 1` | {:.2} | >= 4 |", cli / alone);
     println!("| CLI default / raw full work batched 64 | {:.2} | >= 0.8 |", cli / full.msgs_per_s);
     println!("| pages written per message, CLI default | {cli_pages:.1} | <= 12 |");
+    history::record("cli_msgs_per_s", cli);
+    history::record("raw_full_msgs_per_s", full.msgs_per_s);
+    history::record("cli_over_raw_full", cli / full.msgs_per_s);
+    history::record("cli_pages_per_message", cli_pages);
 }
 
 /// On the Spanner emulator (one read-write transaction at a time), `n`
@@ -1338,6 +1353,7 @@ async fn on_emulator(wasm: Arc<dyn Handler>, n: usize) {
     row_per_commit("onceq, `commit.max_batch = 1`, 1 worker", &one);
     row_per_commit("hand-written worker, same client, no Wasm", &raw);
     let best_group = g1.msgs_per_s.max(g4.msgs_per_s).max(g16.msgs_per_s);
+    history::record("emulator_16_workers_msgs_per_s", g16.msgs_per_s);
     println!("\n| ratio | value | target |");
     println!("|---|---|---|");
     println!(
