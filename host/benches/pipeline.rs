@@ -1020,6 +1020,7 @@ fn main() {
         .build()
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
+    history::start(&root);
     rt.block_on(async {
         // ONCEQ_BENCH_RESET_DIRTY_PAGES=false: the main engine resets memory
         // wholesale (`runtime.reset_dirty_pages = false`).

@@ -10,6 +10,13 @@ use std::path::Path;
 use std::sync::Mutex;
 
 static RECORDS: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+static COMMIT: Mutex<Option<String>> = Mutex::new(None);
+
+/// Note the checked-out commit as the run starts (the bench binary is
+/// built from it; edits made while it runs are not in it).
+pub fn start(root: &Path) {
+    *COMMIT.lock().unwrap() = Some(commit(root));
+}
 
 /// Keep `value` as this run's `metric`.
 pub fn record(metric: &str, value: f64) {
@@ -31,7 +38,8 @@ pub fn append_and_draw(root: &Path) {
     let old = std::fs::read_to_string(&csv).unwrap_or_else(|_| format!("{HEADER}\n"));
     let rows = parse(&old);
     let run = rows.iter().map(|r| r.run).max().map_or(1, |r| r + 1);
-    let (date, commit) = (today(), commit(root));
+    let commit = COMMIT.lock().unwrap().clone().unwrap_or_else(|| commit(root));
+    let date = today();
     let mut text = old;
     if !text.ends_with('\n') {
         text.push('\n');
