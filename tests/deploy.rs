@@ -109,8 +109,14 @@ batch = 4
     // History, newest first; rollback returns to the previous version.
     let list = deployer.versions("tally").await.unwrap();
     assert!(list[0].active && list.iter().filter(|v| v.active).count() == 1);
-    assert_eq!(list.len(), swaps + 1, "the config's version, then one entry per deploy");
-    assert_eq!(list.last().unwrap().deployment.source, "config");
+    assert_eq!(
+        list.len(),
+        (swaps + 1).min(onceq::deploy::MAX_HISTORY),
+        "the config's version, then one entry per deploy (the last MAX_HISTORY)"
+    );
+    if swaps < onceq::deploy::MAX_HISTORY {
+        assert_eq!(list.last().unwrap().deployment.source, "config");
+    }
     let active = list[0].deployment.version.clone();
     let back = deployer.rollback("tally").await.unwrap();
     assert_ne!(back.version, active);
@@ -120,6 +126,31 @@ batch = 4
         deployer.deploy("nope", v1.clone(), None, "api").await,
         Err(DeployFailure::UnknownQueue(_))
     ));
+
+    // Rollbacks back and forth: the history keeps the last MAX_HISTORY
+    // entries, and the stored components are those it names.
+    for _ in 0..onceq::deploy::MAX_HISTORY + 10 {
+        deployer.rollback("tally").await.unwrap();
+    }
+    let list = deployer.versions("tally").await.unwrap();
+    assert_eq!(list.len(), onceq::deploy::MAX_HISTORY, "bounded history");
+    let stored: Vec<String> = std::fs::read_dir(state.join("components"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(stored.len(), 2, "the two versions the history names: {stored:?}");
+
+    // A label that would drive a terminal, or a huge one, is refused and
+    // changes nothing.
+    let active = deployer.active()["tally"].clone();
+    for label in ["v3\u{1b}]8;;http://evil.example\u{7}click\u{1b}[2J", "v\u{202e}3", &"x".repeat(200)] {
+        match deployer.deploy("tally", v1.clone(), Some(label.to_string()), "api").await {
+            Err(e @ DeployFailure::BadLabel { .. }) => assert!(e.to_string().starts_with("label "), "{e}"),
+            other => panic!("label {label:?} must be refused, got {other:?}"),
+        }
+    }
+    assert_eq!(deployer.active()["tally"], active);
+    assert_eq!(deployer.versions("tally").await.unwrap().len(), onceq::deploy::MAX_HISTORY);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

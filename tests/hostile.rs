@@ -431,6 +431,12 @@ async fn intent_metadata_cannot_set_the_operators_or_the_hosts_headers() {
         ("content-length", "0"),
         ("Idempotency-Key", "other"),
         ("x-forwarded-for", "10.0.0.1"),
+        // Names a CGI/WSGI receiver sees as the protected header
+        // (HTTP_IDEMPOTENCY_KEY, HTTP_X_FORWARDED_FOR) and httpoxy's Proxy.
+        ("Idempotency_Key", "other"),
+        ("X_Forwarded_For", "10.0.0.1"),
+        ("Proxy", "http://evil.example:3128"),
+        ("PROXY_AUTHORIZATION", "Basic forged"),
     ] {
         let f = Attack {
             connectors: &["hook"],
@@ -445,8 +451,15 @@ async fn intent_metadata_cannot_set_the_operators_or_the_hosts_headers() {
     // other metadata reach the receiver.
     let receiver = Receiver::start(1).await;
     let db = TestDb::new(HOSTILE_SQL);
-    db.send("hostile", ["meta x-team forged".to_string(), "meta x-trace abc123".to_string()])
-        .await;
+    db.send(
+        "hostile",
+        [
+            "meta x-team forged".to_string(),
+            "meta X_TEAM forged".to_string(),
+            "meta x-trace abc123".to_string(),
+        ],
+    )
+    .await;
     let rt = runtime();
     let r = runner(
         &db.store,
@@ -466,10 +479,15 @@ async fn intent_metadata_cannot_set_the_operators_or_the_hosts_headers() {
     let d = Arc::new(onceq::outbox::runner(db.store.clone(), "hook", hook, &fast_outbox()));
     drain(&db.store, &[r, d]).await;
     let seen = receiver.seen();
-    assert_eq!(seen.len(), 2, "both intents delivered: {seen:?}");
+    assert_eq!(seen.len(), 3, "every intent delivered: {seen:?}");
     for s in seen.values() {
         let team: Vec<&str> = s.headers.iter().filter(|(k, _)| k == "x-team").map(|(_, v)| v.as_str()).collect();
         assert_eq!(team, ["payments"], "the operator's header, once: {:?}", s.headers);
+        assert!(
+            !s.headers.iter().any(|(k, _)| k == "x_team"),
+            "a name the receiver reads as the operator's header is not sent: {:?}",
+            s.headers
+        );
         assert_eq!(s.payload, "{\"charge\":1}", "payload intact");
     }
     assert!(
@@ -539,6 +557,125 @@ async fn sigterm_ends_the_host_within_the_shutdown_grace_whatever_the_handler_do
     assert!(status.success(), "exit 0: {status}");
     let log = host.log();
     assert!(log.contains("shutdown grace of 1s over (setting shutdown_grace)"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_business_table_in_onceqs_namespace_is_refused_in_any_case() {
+    let host = project("");
+    std::fs::write(
+        host.dir.path().join("schema.sql"),
+        format!("{HOSTILE_SQL}\nCREATE TABLE Onceq_Orders (id TEXT PRIMARY KEY, amount INTEGER NOT NULL);\n"),
+    )
+    .unwrap();
+    let (ok, text) = host.onceq(&["init"]).await;
+    assert!(!ok, "init refused: {text}");
+    assert!(
+        text.contains("table \"Onceq_Orders\": names starting with \"onceq_\" (in any case) are reserved"),
+        "{text}"
+    );
+    assert!(!host.dir.path().join("onceq.db").exists(), "nothing created");
+    // The author's tools say the same (the types, the checks).
+    let (ok, text) = host.onceq(&["types", "--lang", "rust"]).await;
+    assert!(!ok && text.contains("Onceq_Orders"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_or_a_device_in_the_watched_folder_is_refused_unread() {
+    let mut host = project("[deploy]\nwatch = \"handlers\"\npoll = \"100ms\"");
+    let watched = host.dir.path().join("handlers");
+    std::fs::create_dir(&watched).unwrap();
+    let target = watched.join("hostile.wasm");
+    assert!(std::process::Command::new("mkfifo").arg(&target).status().unwrap().success());
+    host.ok(&["init"]).await;
+    host.start().await;
+    wait_until("the FIFO to be refused", Duration::from_secs(60), || {
+        let h = &host;
+        async move { h.log().contains("watched handler not read: a FIFO, not a component file") }
+    })
+    .await;
+    // A link to an endless device: refused without reading a byte.
+    std::fs::remove_file(&target).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &target).unwrap();
+    wait_until("the device to be refused", Duration::from_secs(60), || {
+        let h = &host;
+        async move { h.log().contains("watched handler not read: a device, not a component file") }
+    })
+    .await;
+    assert!(host.rss_bytes() < 200 << 20, "RSS {} bytes", host.rss_bytes());
+    // The CLI refuses them too, by name.
+    let (ok, out) = host.onceq(&["check", target.to_str().unwrap()]).await;
+    assert!(!ok && out.contains("a device, not a component file"), "{out}");
+    // And SIGTERM still ends the host.
+    let mut child = host.child.take().unwrap();
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("exited after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+/// A started host of [`project`] with a message in its handler that
+/// computes for an hour, and the host's pid.
+async fn busy_host(extra: &str) -> (Host, tokio::process::Child, String) {
+    let mut host = project(&format!("{extra}\n[defaults]\ndeadline = \"1h\""));
+    host.ok(&["init"]).await;
+    std::fs::write(host.dir.path().join("m.txt"), "sleep-until").unwrap();
+    host.ok(&["send", "hostile", "--file", "m.txt"]).await;
+    host.start().await;
+    wait_until("the handler to be in flight", Duration::from_secs(60), || {
+        let h = &host;
+        async move {
+            let m = h.metrics().await;
+            m.iter().any(|(k, v)| k.starts_with("onceq_in_flight") && *v >= 1.0)
+        }
+    })
+    .await;
+    let child = host.child.take().unwrap();
+    let pid = child.id().unwrap().to_string();
+    (host, child, pid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_shuts_the_host_down_gracefully() {
+    let (host, mut child, pid) = busy_host("shutdown_grace = \"1s\"").await;
+    std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("exited after SIGHUP")
+        .unwrap();
+    assert!(status.success(), "a graceful exit (0), not death by SIGHUP: {status}");
+    let log = host.log();
+    assert!(log.contains("SIGHUP: shutting down"), "{log}");
+    assert!(log.contains("shutdown grace of 1s over (setting shutdown_grace)"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_ends_a_long_shutdown_at_once() {
+    // An hour's grace: only the second signal can end this in time.
+    let (host, mut child, pid) = busy_host("shutdown_grace = \"1h\"").await;
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    wait_until("the shutdown to start", Duration::from_secs(60), || {
+        let h = &host;
+        async move { h.log().contains("SIGTERM: shutting down") }
+    })
+    .await;
+    assert!(child.try_wait().unwrap().is_none(), "still finishing its message");
+    std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("exited after the second signal")
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "{status}");
+    let log = host.log();
+    assert!(log.contains("SIGINT during shutdown: exiting now"), "{log}");
+    // The message was not charged: still queued for the next run, not
+    // dead-lettered.
+    let db = rusqlite::Connection::open(host.dir.path().join("onceq.db")).unwrap();
+    let count = |sql: &str| db.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap();
+    assert_eq!(count("SELECT COUNT(*) FROM onceq_messages WHERE queue = 'hostile'"), 1);
+    assert_eq!(count("SELECT COUNT(*) FROM onceq_dead_letters"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -149,6 +149,7 @@ fn deploy_error(e: DeployFailure) -> Response {
         DeployFailure::UnknownQueue(_) => StatusCode::NOT_FOUND,
         DeployFailure::Refused { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         DeployFailure::NothingToRollBack(_) => StatusCode::CONFLICT,
+        DeployFailure::BadLabel { .. } => StatusCode::BAD_REQUEST,
         DeployFailure::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
     error(status, e.to_string())

@@ -46,27 +46,52 @@ async fn purge_loop(store: Arc<dyn Store>, mut shutdown: crate::shutdown::Shutdo
     }
 }
 
-/// A future that resolves on SIGINT or SIGTERM.
+/// A future that resolves on SIGINT, SIGTERM or SIGHUP; a second of any
+/// of them during the shutdown ends the process at once (status 130).
 pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut signals: Vec<(&'static str, tokio::signal::unix::Signal)> = [
+            ("SIGINT", SignalKind::interrupt()),
+            ("SIGTERM", SignalKind::terminate()),
+            // A closed terminal or a supervisor's reload: shut down
+            // gracefully rather than die with leases held.
+            ("SIGHUP", SignalKind::hangup()),
+        ]
+        .into_iter()
+        .filter_map(|(name, kind)| Some((name, signal(kind).ok()?)))
+        .collect();
+        if signals.is_empty() {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
         }
+        let first = any_signal(&mut signals).await;
+        tracing::warn!("{first}: shutting down; messages in flight finish within shutdown_grace (a second signal exits at once)");
+        tokio::spawn(async move {
+            let second = any_signal(&mut signals).await;
+            tracing::error!("{second} during shutdown: exiting now; the messages still leased are processed again once their leases expire");
+            std::process::exit(130);
+        });
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// The name of the first of `signals` to arrive.
+#[cfg(unix)]
+async fn any_signal(signals: &mut [(&'static str, tokio::signal::unix::Signal)]) -> &'static str {
+    std::future::poll_fn(|cx| {
+        for (name, s) in signals.iter_mut() {
+            if s.poll_recv(cx).is_ready() {
+                return std::task::Poll::Ready(*name);
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 /// `onceq run`: serve the configured queues on their active versions, the
@@ -292,7 +317,7 @@ pub fn check(
         cache_max_bytes: cfg.map_or(crate::runtime::cache::DEFAULT_MAX_BYTES, |c| c.runtime.cache_max_bytes),
         ..Default::default()
     })?;
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = crate::runtime::read_component(path).with_context(|| format!("reading {}", path.display()))?;
     if !runtime.is_cached(&bytes) {
         crate::runtime::announce_large(path, progress);
     }

@@ -888,7 +888,7 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
 
 /// `onceq deploy`.
 async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<String>, admin: Option<String>) -> anyhow::Result<ExitCode> {
-    let bytes = std::fs::read(&component).with_context(|| format!("reading {}", component.display()))?;
+    let bytes = crate::runtime::read_component(&component).with_context(|| format!("reading {}", component.display()))?;
     let client = app::admin_client(cfg, admin.as_deref())?;
     if bytes.len() as u64 > crate::runtime::LARGE_COMPONENT {
         eprintln!(
@@ -901,7 +901,7 @@ async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<S
     println!(
         "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
         d.version,
-        d.label.map(|l| format!(" ({l})")).unwrap_or_default()
+        d.label.map(|l| format!(" ({})", crate::names::printable(&l))).unwrap_or_default()
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -924,7 +924,7 @@ async fn versions(cfg: &Config, queue: String, admin: Option<String>, json: bool
                 "{:<2} {:<16}  {:<12} {:<9} {:>9}  {when}",
                 if v.active { "*" } else { "" },
                 d.version,
-                d.label.as_deref().unwrap_or("-"),
+                d.label.as_deref().map_or_else(|| "-".to_string(), |l| crate::names::truncated(&crate::names::printable(l), 40)),
                 d.source,
                 d.size
             );
@@ -940,7 +940,7 @@ async fn rollback(cfg: &Config, queue: String, admin: Option<String>) -> anyhow:
     println!(
         "rolled {queue} back to {}{}",
         d.version,
-        d.label.map(|l| format!(" ({l})")).unwrap_or_default()
+        d.label.map(|l| format!(" ({})", crate::names::printable(&l))).unwrap_or_default()
     );
     Ok(ExitCode::SUCCESS)
 }

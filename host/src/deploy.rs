@@ -68,8 +68,34 @@ pub enum DeployFailure {
     Refused { version: String, reason: String },
     #[error("queue {0} has no earlier version to roll back to")]
     NothingToRollBack(String),
+    #[error("label {shown}: {problem}")]
+    BadLabel { shown: String, problem: &'static str },
     #[error("{0}")]
     Internal(String),
+}
+
+/// Longest deploy label, in bytes.
+pub const MAX_LABEL_LEN: usize = 128;
+
+/// Deployments kept per queue in the history: older ones are forgotten,
+/// and their stored components removed when no kept entry names them.
+pub const MAX_HISTORY: usize = 50;
+
+/// A label is shown in terminals and logs: printable, one line, short.
+fn check_label(label: &str) -> Result<(), DeployFailure> {
+    let bad = |problem| {
+        Err(DeployFailure::BadLabel {
+            shown: crate::names::quoted(label, 40),
+            problem,
+        })
+    };
+    if label.len() > MAX_LABEL_LEN {
+        return bad("longer than 128 bytes");
+    }
+    if crate::names::printable(label) != label {
+        return bad("has control, invisible or text-direction characters (a label is shown in terminals and logs)");
+    }
+    Ok(())
 }
 
 /// The content hash that names a version.
@@ -180,7 +206,7 @@ impl Deployer {
         q: &QueueConfig,
         past: Option<&Vec<Deployment>>,
     ) -> anyhow::Result<(Arc<dyn Handler>, Option<Deployment>)> {
-        let bytes = std::fs::read(&q.handler).with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
+        let bytes = crate::runtime::read_component(&q.handler).with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
         let version = version_of(&bytes);
         let last_from_config = past.and_then(|h| h.iter().rev().find(|d| d.source == "config"));
         let active = past.and_then(|h| h.last());
@@ -242,6 +268,9 @@ impl Deployer {
                 .slots
                 .get(queue)
                 .ok_or_else(|| DeployFailure::UnknownQueue(queue.to_string()))?;
+            if let Some(l) = &label {
+                check_label(l)?;
+            }
             let version = version_of(&bytes);
             let (runtime, limits) = (self.runtime.clone(), slot.limits);
             let compiled = {
@@ -281,8 +310,18 @@ impl Deployer {
                 size: bytes.len() as u64,
             };
             let old = slot.runner.swap_handler(Arc::new(handler));
-            history.queues.entry(queue.to_string()).or_default().push(d.clone());
+            let entries = history.queues.entry(queue.to_string()).or_default();
+            entries.push(d.clone());
+            let forgotten: Vec<Deployment> = entries.drain(..entries.len().saturating_sub(MAX_HISTORY)).collect();
             Self::save_history(&self.dir, &history)?;
+            // Stored components no kept entry names any more (after the
+            // history is saved: a crash in between leaves a file, not a
+            // history entry without its component).
+            for f in forgotten {
+                if !history.queues.values().flatten().any(|e| e.version == f.version) {
+                    let _ = std::fs::remove_file(self.component_path(&f.version));
+                }
+            }
             tracing::info!(
                 queue,
                 from = %old.version(),
@@ -361,7 +400,16 @@ impl Deployer {
                 if seen.get(&queue) == Some(&stamp) {
                     continue;
                 }
-                let Ok(bytes) = std::fs::read(&path) else { continue };
+                let bytes = match crate::runtime::read_component(&path) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        // Said once per change of the file (a FIFO, a
+                        // device, a huge file); the host goes on.
+                        tracing::error!(queue = %queue, file = %path.display(), "watched handler not read: {e}");
+                        seen.insert(queue, stamp);
+                        continue;
+                    }
+                };
                 let version = version_of(&bytes);
                 if refused.get(&queue) == Some(&version) {
                     seen.insert(queue, stamp);

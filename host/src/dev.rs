@@ -156,7 +156,7 @@ pub async fn round(cfg: &Config, project: &Path, command: &str, opts: &DevOption
     for q in &cfg.queues {
         // A component not built yet (another queue's) is skipped, not the
         // end of the watch.
-        let bytes = match std::fs::read(&q.handler) {
+        let bytes = match crate::runtime::read_component(&q.handler) {
             Ok(b) => b,
             Err(e) => {
                 println!("not deployed to {}: reading {}: {e}", q.name, q.handler.display());

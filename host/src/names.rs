@@ -58,6 +58,36 @@ pub fn is_reserved(name: &str) -> bool {
     name.len() >= RESERVED_PREFIX.len() && name.as_bytes()[..RESERVED_PREFIX.len()].eq_ignore_ascii_case(RESERVED_PREFIX.as_bytes())
 }
 
+/// The first table that `ddl` creates with a name in onceq's own table
+/// namespace, `onceq_` in any case (`Onceq_Orders`): such a table would be
+/// taken for one of onceq's, left out of the schema, the types and the
+/// grants. Both dialects' quoting (`"x"`, `` `x` ``, `[x]`) is read.
+pub fn reserved_table_in_ddl(ddl: &str) -> Option<String> {
+    let words: Vec<&str> = ddl.split(|c: char| c.is_whitespace() || c == '(' || c == ';').filter(|w| !w.is_empty()).collect();
+    let mut i = 0;
+    while i < words.len() {
+        if words[i].eq_ignore_ascii_case("create") && words.get(i + 1).is_some_and(|w| w.eq_ignore_ascii_case("table")) {
+            let mut j = i + 2;
+            if words.get(j).is_some_and(|w| w.eq_ignore_ascii_case("if"))
+                && words.get(j + 1).is_some_and(|w| w.eq_ignore_ascii_case("not"))
+                && words.get(j + 2).is_some_and(|w| w.eq_ignore_ascii_case("exists"))
+            {
+                j += 3;
+            }
+            if let Some(name) = words.get(j) {
+                // `schema.table` or a quoted name: the table's own part.
+                let last = name.rsplit('.').next().unwrap_or(name);
+                let bare = last.trim_matches(|c| matches!(c, '"' | '`' | '[' | ']'));
+                if bare.len() >= 6 && bare.as_bytes()[..6].eq_ignore_ascii_case(b"onceq_") {
+                    return Some(bare.to_string());
+                }
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
 /// Check the characters and length of a queue or connector name, without
 /// the reserved-prefix rule (outbox queues are onceq's own names).
 pub fn check_chars(what: &'static str, name: &str) -> Result<(), NameError> {
@@ -252,6 +282,18 @@ pub fn did_you_mean<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) ->
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn tables_in_onceqs_namespace_are_found_in_any_case_and_quoting() {
+        use super::reserved_table_in_ddl as r;
+        assert_eq!(r("CREATE TABLE Onceq_Orders (id TEXT PRIMARY KEY);").as_deref(), Some("Onceq_Orders"));
+        assert_eq!(r("create table if not exists \"ONCEQ_x\"(a INT)").as_deref(), Some("ONCEQ_x"));
+        assert_eq!(r("CREATE TABLE `onceq_y` (a INT64) PRIMARY KEY (a)").as_deref(), Some("onceq_y"));
+        assert_eq!(r("CREATE TABLE main.[onceq_z] (a)").as_deref(), Some("onceq_z"));
+        assert_eq!(r("CREATE TABLE orders (id TEXT PRIMARY KEY, onceq_note TEXT);"), None);
+        assert_eq!(r("CREATE TABLE onceqorders (id TEXT PRIMARY KEY);"), None);
+        assert_eq!(r(""), None);
+    }
 
     #[test]
     fn did_you_mean_suggests_only_close_names() {

@@ -159,7 +159,9 @@ impl Connector for Webhook {
             // The operator's headers and the host's own always win: a
             // handler cannot forge credentials, routing or framing. (The
             // effect check refuses such names; this guards older intents.)
-            if self.headers.contains_key(&name) || crate::protocol::effects::is_protected_header(k) {
+            let id = crate::protocol::effects::header_identity(k);
+            let operators = self.headers.keys().any(|h| crate::protocol::effects::header_identity(h.as_str()) == id);
+            if operators || crate::protocol::effects::is_protected_header(k) {
                 tracing::warn!(
                     intent = %intent.idempotency_key,
                     "intent metadata {} not sent: the header is set by the operator or the host",

@@ -80,16 +80,27 @@ pub const PROTECTED_HEADERS: &[&str] = &[
     "via",
     "user-agent",
     "idempotency-key",
+    // CGI/WSGI receivers see every header as HTTP_<NAME> and take
+    // HTTP_PROXY for the proxy to use ("httpoxy").
+    "proxy",
 ];
 
+/// A header name as receivers compare it: case-insensitively, and with
+/// `_` and `-` alike (CGI, WSGI and many gateways turn both into `_`, so
+/// `Idempotency_Key` reaches them as the `Idempotency-Key` header).
+pub fn header_identity(name: &str) -> String {
+    name.chars().map(|c| if c == '_' { '-' } else { c.to_ascii_lowercase() }).collect()
+}
+
 /// Is `name` a header only the host may set (see [`PROTECTED_HEADERS`];
-/// also every `x-forwarded-*` and `onceq-*`)?
+/// also every `x-forwarded-*`, `onceq-*` and `proxy-*`), compared as
+/// receivers compare names ([`header_identity`])?
 pub fn is_protected_header(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    PROTECTED_HEADERS.contains(&lower.as_str())
-        || lower.starts_with("x-forwarded-")
-        || lower.starts_with("onceq-")
-        || lower.starts_with("proxy-")
+    let id = header_identity(name);
+    PROTECTED_HEADERS.contains(&id.as_str())
+        || id.starts_with("x-forwarded-")
+        || id.starts_with("onceq-")
+        || id.starts_with("proxy-")
 }
 
 /// Why the effects of a call were refused. Nothing was buffered.

@@ -153,6 +153,67 @@ impl Drop for EpochTicker {
     }
 }
 
+/// Largest component file onceq reads (the Python runtime is ~19 MB).
+pub const MAX_COMPONENT_BYTES: u64 = 256 << 20;
+
+/// Read a component file: a regular file (a symlink to one is fine) of at
+/// most [`MAX_COMPONENT_BYTES`]. A FIFO, a device (`/dev/zero`), a socket
+/// or a folder is refused without reading it, so no such file can block
+/// the host or its shutdown, or fill its memory.
+pub fn read_component(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let not_regular = |meta: &std::fs::Metadata| {
+        let ft = meta.file_type();
+        let kind = if ft.is_dir() {
+            "a folder"
+        } else {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::FileTypeExt;
+                if ft.is_fifo() {
+                    "a FIFO"
+                } else if ft.is_char_device() || ft.is_block_device() {
+                    "a device"
+                } else if ft.is_socket() {
+                    "a socket"
+                } else {
+                    "not a regular file"
+                }
+            }
+            #[cfg(not(unix))]
+            "not a regular file"
+        };
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{kind}, not a component file"))
+    };
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // Opened without blocking, in case the file was replaced by a FIFO
+    // since the check above; checked again on the open file.
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(0o4000); // O_NONBLOCK
+    }
+    let file = options.open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let mut bytes = Vec::with_capacity(meta.len().min(MAX_COMPONENT_BYTES) as usize);
+    file.take(MAX_COMPONENT_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_COMPONENT_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("larger than {} MiB, not a component file", MAX_COMPONENT_BYTES >> 20),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// The wasmtime engine and linker shared by every handler of a host.
 pub struct Runtime {
     engine: Engine,
@@ -331,7 +392,7 @@ impl Runtime {
         progress: &dyn Fn(&str),
     ) -> anyhow::Result<WasmHandler> {
         let started = std::time::Instant::now();
-        let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
+        let bytes = read_component(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
         if !self.is_cached(&bytes) {
             announce_large(path, progress);
         }
@@ -347,7 +408,7 @@ impl Runtime {
 
     /// Load a handler from a file, naming the file in errors.
     pub fn load_file(&self, path: &std::path::Path, limits: HandlerLimits) -> anyhow::Result<WasmHandler> {
-        let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
+        let bytes = read_component(path).map_err(|e| anyhow::anyhow!("reading handler {}: {e}", path.display()))?;
         self.load(&bytes, limits)
             .map_err(|e| anyhow::anyhow!("handler {} refused: {e}", path.display()))
     }

@@ -531,11 +531,25 @@ async fn spanner_open(db: &str, _init_ddl: Option<&str>, _options: &StoreOptions
 /// Create a store (`onceq init`): onceq's tables plus the business DDL.
 pub fn init<'a>(url: &'a str, business_ddl: &'a str, options: &'a StoreOptions) -> crate::BoxFuture<'a, anyhow::Result<Arc<dyn Store>>> {
     Box::pin(async move {
+        refuse_reserved_tables(business_ddl)?;
         Ok(match StoreUrl::parse(url)? {
             StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::init(&path, business_ddl, options)?),
             StoreUrl::Spanner(db) => spanner_open(&db, Some(business_ddl), options).await?,
         })
     })
+}
+
+/// A schema may not create a table in onceq's own namespace (`onceq_`, in
+/// any case): it would be read as one of onceq's tables and silently left
+/// out of the schema, the types and the grants.
+pub fn refuse_reserved_tables(ddl: &str) -> anyhow::Result<()> {
+    match crate::names::reserved_table_in_ddl(ddl) {
+        Some(t) => anyhow::bail!(
+            "table {}: names starting with \"onceq_\" (in any case) are reserved for onceq's own tables; rename it (nothing was changed)",
+            crate::names::quoted(&t, 60)
+        ),
+        None => Ok(()),
+    }
 }
 
 /// Store settings that are not part of the URL.

@@ -451,6 +451,7 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
 /// The business tables described by SQLite DDL, read the way a store
 /// reads them (for fixtures: the handler test kit).
 pub fn schema_from_ddl(ddl: &str) -> anyhow::Result<Schema> {
+    super::refuse_reserved_tables(ddl)?;
     let conn = Connection::open_in_memory()?;
     conn.execute_batch(ddl).map_err(|e| anyhow::anyhow!("schema: {e}"))?;
     load_schema(&conn)
