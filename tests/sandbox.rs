@@ -365,4 +365,31 @@ fn compiled_components_are_cached_and_a_bad_entry_is_recompiled() {
     assert_eq!(healed.version(), first.version());
     assert_eq!(entries(), stored);
     assert_eq!(std::fs::metadata(&stored[0]).unwrap().len(), size, "rewritten whole");
+    // 1,000 bytes flipped in the middle of the compiled code (wasmtime's
+    // header intact): found by the checksum, recompiled, and the handler
+    // runs, where running the damaged code killed the host with SIGILL.
+    let mut code = std::fs::read(&stored[0]).unwrap();
+    let mid = code.len() / 2;
+    for b in &mut code[mid..mid + 1000] {
+        *b = !*b;
+    }
+    std::fs::write(&stored[0], &code).unwrap();
+    let healed = wasm(&cached_runtime(), "payments", HandlerLimits::default());
+    assert_eq!(healed.version(), first.version());
+    assert_eq!(std::fs::read(&stored[0]).unwrap().len() as u64, size, "rewritten whole");
+    assert_ne!(std::fs::read(&stored[0]).unwrap(), code, "the damaged entry replaced");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (result, violation) = rt.block_on(async {
+        let db = TestDb::new(PAYMENTS_SQL);
+        db.sql()
+            .execute("INSERT INTO accounts (id, balance) VALUES ('acct-1', 100)", [])
+            .unwrap();
+        let m = Message {
+            queue: "payments".into(),
+            ..msg("m-1", r#"{"order_id": "o-1", "account": "acct-1", "amount": 5}"#)
+        };
+        call(&db, &healed, &m, &["accounts", "orders"]).await
+    });
+    let effects = result.expect("the recompiled handler runs");
+    assert!(violation.is_none() && !effects.is_empty(), "{effects:?} {violation:?}");
 }

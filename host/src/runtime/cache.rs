@@ -5,17 +5,23 @@
 //! again. Each compiled component is stored as wasmtime's serialized form
 //! in `<dir>/<sha256 of the bytes>-<engine>.cwasm`, where `<engine>` hashes
 //! wasmtime's compatibility key (its version and every setting that
-//! affects code). A hit is read and handed to `Component::deserialize`:
-//! no decompression and no second hash of the bytes, so loading a cached
-//! 19 MB component takes tens of milliseconds. (Read rather than
+//! affects code). A hit is read, its checksum checked, and handed to
+//! `Component::deserialize`: no decompression and no hash of the
+//! component's own bytes, so loading a cached 19 MB component takes tens
+//! of milliseconds. (Read rather than
 //! memory-mapped: a mapped file truncated by anyone would kill the host
 //! with SIGBUS.)
 //!
 //! Trust: a `.cwasm` file is native code that wasmtime runs without
 //! re-validating it, so the folder must be as trusted as the onceq binary
-//! (it is inside `state_dir`, written only by onceq). wasmtime still checks
-//! that a file was produced by a compatible engine and refuses any other;
-//! a refused or unreadable entry is removed and the component recompiled.
+//! (it is inside `state_dir`, written only by onceq). Against damage (a
+//! disk error, a stray write, a partial copy) each entry ends with the
+//! SHA-256 of its code, checked before wasmtime sees it: damaged code
+//! would otherwise run and kill the host (SIGILL, SIGSEGV). wasmtime then
+//! checks that the code was produced by a compatible engine. A damaged,
+//! refused or unreadable entry is removed and the component recompiled.
+//! The checksum is not a signature: whoever can write the folder can write
+//! a matching one.
 //! Entries are written to a temporary file and renamed into place, so a
 //! crash never leaves a partial entry under a real name.
 //!
@@ -108,23 +114,29 @@ impl CodeCache {
 
     fn entry(&self, digest: &[u8]) -> PathBuf {
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        self.dir.join(format!("{hex}-{}.cwasm", self.engine_key))
+        // `-s`: entries with their checksum (older ones age out).
+        self.dir.join(format!("{hex}-{}-s.cwasm", self.engine_key))
     }
 
     /// The compiled component for `bytes` (whose SHA-256 is `digest`): from
     /// the cache, or compiled and stored.
     pub fn component(&self, engine: &Engine, bytes: &[u8], digest: &[u8]) -> wasmtime::Result<Component> {
         let path = self.entry(digest);
-        if let Ok(code) = std::fs::read(&path) {
+        if let Ok(entry) = std::fs::read(&path) {
             // Read, not memory-mapped: a file truncated under a mapping would
             // kill the process with SIGBUS.
+            let Some(code) = checked(&entry) else {
+                tracing::warn!(path = %path.display(), "compiled-component cache entry damaged (checksum mismatch), recompiling");
+                let _ = std::fs::remove_file(&path);
+                return self.compile_and_store(engine, bytes, &path);
+            };
             // SAFETY: the bytes are wasmtime's own serialized output, written
             // by this cache (temp file + rename) in onceq's state folder,
             // which is as trusted as the binary; wasmtime checks their header
             // against this engine's version and settings and refuses a
             // mismatch.
             #[allow(unsafe_code)]
-            let cached = unsafe { Component::deserialize(engine, &code) };
+            let cached = unsafe { Component::deserialize(engine, code) };
             match cached {
                 Ok(c) => {
                     // Used now: the last entry a prune removes.
@@ -139,15 +151,22 @@ impl CodeCache {
                 }
             }
         }
+        self.compile_and_store(engine, bytes, &path)
+    }
+
+    fn compile_and_store(&self, engine: &Engine, bytes: &[u8], path: &Path) -> wasmtime::Result<Component> {
         let component = Component::new(engine, bytes)?;
-        if let Err(e) = self.store(&component, &path) {
+        if let Err(e) = self.store(&component, path) {
             tracing::warn!(path = %path.display(), "could not write the compiled-component cache: {e:#}");
         }
         Ok(component)
     }
 
     fn store(&self, component: &Component, path: &Path) -> anyhow::Result<()> {
-        let code = component.serialize()?;
+        use sha2::Digest;
+        let mut code = component.serialize()?;
+        let sum = sha2::Sha256::digest(&code);
+        code.extend_from_slice(&sum);
         let tmp = self.dir.join(format!(".tmp-{}-{:016x}", std::process::id(), rand::random::<u64>()));
         std::fs::write(&tmp, &code)?;
         if let Err(e) = std::fs::rename(&tmp, path) {
@@ -164,6 +183,14 @@ impl CodeCache {
             tracing::warn!(dir = %self.dir.display(), "could not prune the compiled-component cache: {e}");
         }
     }
+}
+
+/// The code of a cache entry whose trailing SHA-256 matches it.
+fn checked(entry: &[u8]) -> Option<&[u8]> {
+    use sha2::Digest;
+    let split = entry.len().checked_sub(32)?;
+    let (code, sum) = entry.split_at(split);
+    (sha2::Sha256::digest(code).as_slice() == sum).then_some(code)
 }
 
 #[cfg(test)]
