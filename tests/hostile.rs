@@ -528,10 +528,10 @@ workers = 1
     Host::new(dir)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_ends_the_host_within_the_shutdown_grace_whatever_the_handler_does() {
-    // A handler allowed to compute for an hour, and a one-second grace.
-    let mut host = project("shutdown_grace = \"1s\"\n[defaults]\ndeadline = \"1h\"");
+/// A started host of [`project`] with `extra` settings and a message in
+/// its handler that may compute for an hour, in flight; and its process.
+async fn busy_host(extra: &str) -> (Host, tokio::process::Child) {
+    let mut host = project(&format!("{extra}\n[defaults]\ndeadline = \"1h\""));
     host.ok(&["init"]).await;
     // The payload is the command itself, not JSON: sent from a file.
     std::fs::write(host.dir.path().join("m.txt"), "sleep-until").unwrap();
@@ -545,14 +545,31 @@ async fn sigterm_ends_the_host_within_the_shutdown_grace_whatever_the_handler_do
         }
     })
     .await;
-    let mut child = host.child.take().unwrap();
+    let child = host.child.take().unwrap();
+    (host, child)
+}
+
+/// Send the host's process SIG`name` (`TERM`, `HUP`, `INT`).
+fn signal(child: &tokio::process::Child, name: &str) {
     let pid = child.id().unwrap().to_string();
-    let signalled = Instant::now();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+    assert!(std::process::Command::new("kill").args([&format!("-{name}"), &pid]).status().unwrap().success());
+}
+
+/// Send SIG`name`, then wait (at most a minute) for the process to exit.
+async fn signal_and_wait(child: &mut tokio::process::Child, name: &str) -> std::process::ExitStatus {
+    signal(child, name);
+    tokio::time::timeout(Duration::from_secs(60), child.wait())
         .await
-        .expect("exited after SIGTERM")
-        .unwrap();
+        .unwrap_or_else(|_| panic!("no exit within a minute of SIG{name}"))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_the_host_within_the_shutdown_grace_whatever_the_handler_does() {
+    // A handler allowed to compute for an hour, and a one-second grace.
+    let (host, mut child) = busy_host("shutdown_grace = \"1s\"").await;
+    let signalled = Instant::now();
+    let status = signal_and_wait(&mut child, "TERM").await;
     eprintln!("exited {:.1?} after SIGTERM", signalled.elapsed());
     assert!(status.success(), "exit 0: {status}");
     let log = host.log();
@@ -607,44 +624,14 @@ async fn a_fifo_or_a_device_in_the_watched_folder_is_refused_unread() {
     assert!(!ok && out.contains("a device, not a component file"), "{out}");
     // And SIGTERM still ends the host.
     let mut child = host.child.take().unwrap();
-    let pid = child.id().unwrap().to_string();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
-        .await
-        .expect("exited after SIGTERM")
-        .unwrap();
+    let status = signal_and_wait(&mut child, "TERM").await;
     assert!(status.success(), "{status}");
-}
-
-/// A started host of [`project`] with a message in its handler that
-/// computes for an hour, and the host's pid.
-async fn busy_host(extra: &str) -> (Host, tokio::process::Child, String) {
-    let mut host = project(&format!("{extra}\n[defaults]\ndeadline = \"1h\""));
-    host.ok(&["init"]).await;
-    std::fs::write(host.dir.path().join("m.txt"), "sleep-until").unwrap();
-    host.ok(&["send", "hostile", "--file", "m.txt"]).await;
-    host.start().await;
-    wait_until("the handler to be in flight", Duration::from_secs(60), || {
-        let h = &host;
-        async move {
-            let m = h.metrics().await;
-            m.iter().any(|(k, v)| k.starts_with("onceq_in_flight") && *v >= 1.0)
-        }
-    })
-    .await;
-    let child = host.child.take().unwrap();
-    let pid = child.id().unwrap().to_string();
-    (host, child, pid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_shuts_the_host_down_gracefully() {
-    let (host, mut child, pid) = busy_host("shutdown_grace = \"1s\"").await;
-    std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
-        .await
-        .expect("exited after SIGHUP")
-        .unwrap();
+    let (host, mut child) = busy_host("shutdown_grace = \"1s\"").await;
+    let status = signal_and_wait(&mut child, "HUP").await;
     assert!(status.success(), "a graceful exit (0), not death by SIGHUP: {status}");
     let log = host.log();
     assert!(log.contains("SIGHUP: shutting down"), "{log}");
@@ -654,19 +641,15 @@ async fn sighup_shuts_the_host_down_gracefully() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_ends_a_long_shutdown_at_once() {
     // An hour's grace: only the second signal can end this in time.
-    let (host, mut child, pid) = busy_host("shutdown_grace = \"1h\"").await;
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let (host, mut child) = busy_host("shutdown_grace = \"1h\"").await;
+    signal(&child, "TERM");
     wait_until("the shutdown to start", Duration::from_secs(60), || {
         let h = &host;
         async move { h.log().contains("SIGTERM: shutting down") }
     })
     .await;
     assert!(child.try_wait().unwrap().is_none(), "still finishing its message");
-    std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
-        .await
-        .expect("exited after the second signal")
-        .unwrap();
+    let status = signal_and_wait(&mut child, "INT").await;
     assert_eq!(status.code(), Some(130), "{status}");
     let log = host.log();
     assert!(log.contains("SIGINT during shutdown: exiting now"), "{log}");

@@ -69,7 +69,7 @@ pub enum DeployFailure {
     #[error("queue {0} has no earlier version to roll back to")]
     NothingToRollBack(String),
     #[error("label {shown}: {problem}")]
-    BadLabel { shown: String, problem: &'static str },
+    BadLabel { shown: String, problem: String },
     #[error("{0}")]
     Internal(String),
 }
@@ -83,17 +83,17 @@ pub const MAX_HISTORY: usize = 50;
 
 /// A label is shown in terminals and logs: printable, one line, short.
 fn check_label(label: &str) -> Result<(), DeployFailure> {
-    let bad = |problem| {
+    let bad = |problem: String| {
         Err(DeployFailure::BadLabel {
             shown: crate::names::quoted(label, 40),
             problem,
         })
     };
     if label.len() > MAX_LABEL_LEN {
-        return bad("longer than 128 bytes");
+        return bad(format!("longer than {MAX_LABEL_LEN} bytes"));
     }
     if crate::names::printable(label) != label {
-        return bad("has control, invisible or text-direction characters (a label is shown in terminals and logs)");
+        return bad("has control, invisible or text-direction characters (a label is shown in terminals and logs)".into());
     }
     Ok(())
 }

@@ -85,19 +85,9 @@ fn parse(text: &str) -> Vec<HistoryRow> {
         .collect()
 }
 
-/// UTC date, YYYY-MM-DD (days since the epoch to a civil date).
+/// UTC date, YYYY-MM-DD.
 fn today() -> String {
-    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 / 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()[..10].to_owned()
 }
 
 /// The checked-out commit, `-dirty` when the tree has changes.
