@@ -552,7 +552,11 @@ async fn busy_host(extra: &str) -> (Host, tokio::process::Child) {
 /// Send the host's process SIG`name` (`TERM`, `HUP`, `INT`).
 fn signal(child: &tokio::process::Child, name: &str) {
     let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args([&format!("-{name}"), &pid]).status().unwrap().success());
+    assert!(std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid])
+        .status()
+        .unwrap()
+        .success());
 }
 
 /// Send SIG`name`, then wait (at most a minute) for the process to exit.

@@ -378,7 +378,11 @@ fn compiled_components_are_cached_and_a_bad_entry_is_recompiled() {
     assert_eq!(healed.version(), first.version());
     assert_eq!(std::fs::read(&stored[0]).unwrap().len() as u64, size, "rewritten whole");
     assert_ne!(std::fs::read(&stored[0]).unwrap(), code, "the damaged entry replaced");
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let (result, violation) = rt.block_on(async {
         let db = TestDb::new(PAYMENTS_SQL);
         db.sql()

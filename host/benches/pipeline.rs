@@ -886,8 +886,16 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
     println!("|---|---|---|---|---|---|---|---|");
     for (lang, key, path) in [
         ("Rust", "rust", component.to_path_buf()),
-        ("Python (componentize-py)", "python", root.join("guest-examples/target/python/payments.wasm")),
-        ("JavaScript (componentize-js)", "js", root.join("guest-examples/target/js/payments.wasm")),
+        (
+            "Python (componentize-py)",
+            "python",
+            root.join("guest-examples/target/python/payments.wasm"),
+        ),
+        (
+            "JavaScript (componentize-js)",
+            "js",
+            root.join("guest-examples/target/js/payments.wasm"),
+        ),
     ] {
         if !path.exists() {
             println!("| {lang} | not built ({}) | | | | | | |", path.display());
@@ -940,15 +948,20 @@ async fn group_commit(dir: &Path, wasm: Arc<dyn Handler>, n: usize) {
         raw16 = best(raw16, raw_sqlite_batched(dir, &format!("r16-{r}.db"), n, 16));
         raw64 = best(raw64, raw_sqlite_batched(dir, &format!("r64-{r}.db"), n, 64));
     }
-    let [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16] =
-        [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16].map(Option::unwrap);
+    let [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16] = [g1, g4, g16, s1, s4, raw1, raw16, raw64, alo1, alo16].map(Option::unwrap);
     println!("\n| group commit ({n} payments messages, Wasm handler, synchronous=FULL, best of {rounds}) | messages/s | p50 | p99 | messages per commit |");
     println!("|---|---|---|---|---|");
     row_per_commit("onceq, group commit (max_batch 64), 1 worker", &g1);
     row_per_commit("onceq, group commit (max_batch 64), 4 workers", &g4);
     row_per_commit("onceq, group commit (max_batch 64), 16 workers", &g16);
-    row_per_commit("onceq at-least-once (ack in its own transaction after the business commit), 1 worker", &alo1);
-    row_per_commit("onceq at-least-once (ack in its own transaction after the business commit), 16 workers", &alo16);
+    row_per_commit(
+        "onceq at-least-once (ack in its own transaction after the business commit), 1 worker",
+        &alo1,
+    );
+    row_per_commit(
+        "onceq at-least-once (ack in its own transaction after the business commit), 16 workers",
+        &alo16,
+    );
     row_per_commit("onceq, max_batch 1, 1 worker", &s1);
     row_per_commit("onceq, max_batch 1, 4 workers", &s4);
     row_per_commit("raw loop, one commit per message", &raw1);

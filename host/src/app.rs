@@ -70,7 +70,9 @@ pub async fn shutdown_signal() {
         tracing::warn!("{first}: shutting down; messages in flight finish within shutdown_grace (a second signal exits at once)");
         tokio::spawn(async move {
             let second = any_signal(&mut signals).await;
-            tracing::error!("{second} during shutdown: exiting now; the messages still leased are processed again once their leases expire");
+            tracing::error!(
+                "{second} during shutdown: exiting now; the messages still leased are processed again once their leases expire"
+            );
             std::process::exit(130);
         });
     }

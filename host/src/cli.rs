@@ -924,7 +924,9 @@ async fn versions(cfg: &Config, queue: String, admin: Option<String>, json: bool
                 "{:<2} {:<16}  {:<12} {:<9} {:>9}  {when}",
                 if v.active { "*" } else { "" },
                 d.version,
-                d.label.as_deref().map_or_else(|| "-".to_string(), |l| crate::names::truncated(&crate::names::printable(l), 40)),
+                d.label
+                    .as_deref()
+                    .map_or_else(|| "-".to_string(), |l| crate::names::truncated(&crate::names::printable(l), 40)),
                 d.source,
                 d.size
             );

@@ -206,7 +206,8 @@ impl Deployer {
         q: &QueueConfig,
         past: Option<&Vec<Deployment>>,
     ) -> anyhow::Result<(Arc<dyn Handler>, Option<Deployment>)> {
-        let bytes = crate::runtime::read_component(&q.handler).with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
+        let bytes = crate::runtime::read_component(&q.handler)
+            .with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
         let version = version_of(&bytes);
         let last_from_config = past.and_then(|h| h.iter().rev().find(|d| d.source == "config"));
         let active = past.and_then(|h| h.last());

@@ -63,7 +63,10 @@ pub fn is_reserved(name: &str) -> bool {
 /// taken for one of onceq's, left out of the schema, the types and the
 /// grants. Both dialects' quoting (`"x"`, `` `x` ``, `[x]`) is read.
 pub fn reserved_table_in_ddl(ddl: &str) -> Option<String> {
-    let words: Vec<&str> = ddl.split(|c: char| c.is_whitespace() || c == '(' || c == ';').filter(|w| !w.is_empty()).collect();
+    let words: Vec<&str> = ddl
+        .split(|c: char| c.is_whitespace() || c == '(' || c == ';')
+        .filter(|w| !w.is_empty())
+        .collect();
     let mut i = 0;
     while i < words.len() {
         if words[i].eq_ignore_ascii_case("create") && words.get(i + 1).is_some_and(|w| w.eq_ignore_ascii_case("table")) {
@@ -286,7 +289,10 @@ mod tests {
     #[test]
     fn tables_in_onceqs_namespace_are_found_in_any_case_and_quoting() {
         use super::reserved_table_in_ddl as r;
-        assert_eq!(r("CREATE TABLE Onceq_Orders (id TEXT PRIMARY KEY);").as_deref(), Some("Onceq_Orders"));
+        assert_eq!(
+            r("CREATE TABLE Onceq_Orders (id TEXT PRIMARY KEY);").as_deref(),
+            Some("Onceq_Orders")
+        );
         assert_eq!(r("create table if not exists \"ONCEQ_x\"(a INT)").as_deref(), Some("ONCEQ_x"));
         assert_eq!(r("CREATE TABLE `onceq_y` (a INT64) PRIMARY KEY (a)").as_deref(), Some("onceq_y"));
         assert_eq!(r("CREATE TABLE main.[onceq_z] (a)").as_deref(), Some("onceq_z"));

@@ -74,7 +74,9 @@ fn parse(text: &str) -> Vec<HistoryRow> {
         .skip(1)
         .filter_map(|l| {
             let f: Vec<&str> = l.split(',').collect();
-            let [run, date, commit, _source, metric, value] = f.as_slice() else { return None };
+            let [run, date, commit, _source, metric, value] = f.as_slice() else {
+                return None;
+            };
             Some(HistoryRow {
                 run: run.parse().ok()?,
                 label: format!("{} {}", date.get(5..).unwrap_or(date), commit),
@@ -170,7 +172,12 @@ fn draw(rows: &[HistoryRow]) -> String {
     let h = top + PANELS.len() as f64 * (ph + 60.0);
     let x = |run: u32| {
         let i = runs.iter().position(|&r| r == run).unwrap_or(0) as f64;
-        left + 24.0 + if runs.len() > 1 { i * (plot_w - 48.0) / (runs.len() - 1) as f64 } else { plot_w / 2.0 - 24.0 }
+        left + 24.0
+            + if runs.len() > 1 {
+                i * (plot_w - 48.0) / (runs.len() - 1) as f64
+            } else {
+                plot_w / 2.0 - 24.0
+            }
     };
     let mut svg = String::new();
     writeln!(
@@ -199,7 +206,13 @@ fn draw(rows: &[HistoryRow]) -> String {
         let pad = ((hi - lo) * 0.08).max(0.05);
         let (lo, hi) = (if panel.log { lo - pad } else { lo }, hi + pad);
         let y = |v: f64| y0 + ph - (f(v) - lo) / (hi - lo) * ph;
-        writeln!(svg, r#"<text x="{left}" y="{}" font-weight="bold">{}</text>"#, y0 - 8.0, escape(panel.title)).unwrap();
+        writeln!(
+            svg,
+            r#"<text x="{left}" y="{}" font-weight="bold">{}</text>"#,
+            y0 - 8.0,
+            escape(panel.title)
+        )
+        .unwrap();
         writeln!(
             svg,
             r##"<rect x="{left}" y="{y0}" width="{plot_w}" height="{ph}" fill="none" stroke="#999"/>"##
@@ -211,7 +224,12 @@ fn draw(rows: &[HistoryRow]) -> String {
             let v = if panel.log { 10f64.powf(t) } else { t };
             let yy = y0 + ph - ph * i as f64 / 4.0;
             let text = if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.2}") };
-            writeln!(svg, r##"<line x1="{left}" x2="{}" y1="{yy}" y2="{yy}" stroke="#eee"/>"##, left + plot_w).unwrap();
+            writeln!(
+                svg,
+                r##"<line x1="{left}" x2="{}" y1="{yy}" y2="{yy}" stroke="#eee"/>"##,
+                left + plot_w
+            )
+            .unwrap();
             writeln!(svg, r#"<text x="{}" y="{}" text-anchor="end">{text}</text>"#, left - 4.0, yy + 4.0).unwrap();
         }
         for run in &runs {

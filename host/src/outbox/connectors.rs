@@ -160,7 +160,10 @@ impl Connector for Webhook {
             // handler cannot forge credentials, routing or framing. (The
             // effect check refuses such names; this guards older intents.)
             let id = crate::protocol::effects::header_identity(k);
-            let operators = self.headers.keys().any(|h| crate::protocol::effects::header_identity(h.as_str()) == id);
+            let operators = self
+                .headers
+                .keys()
+                .any(|h| crate::protocol::effects::header_identity(h.as_str()) == id);
             if operators || crate::protocol::effects::is_protected_header(k) {
                 tracing::warn!(
                     intent = %intent.idempotency_key,

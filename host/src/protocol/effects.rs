@@ -97,10 +97,7 @@ pub fn header_identity(name: &str) -> String {
 /// receivers compare names ([`header_identity`])?
 pub fn is_protected_header(name: &str) -> bool {
     let id = header_identity(name);
-    PROTECTED_HEADERS.contains(&id.as_str())
-        || id.starts_with("x-forwarded-")
-        || id.starts_with("onceq-")
-        || id.starts_with("proxy-")
+    PROTECTED_HEADERS.contains(&id.as_str()) || id.starts_with("x-forwarded-") || id.starts_with("onceq-") || id.starts_with("proxy-")
 }
 
 /// Why the effects of a call were refused. Nothing was buffered.
