@@ -666,6 +666,34 @@ async fn a_second_signal_ends_a_long_shutdown_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_when_another_process_holds_the_databases_write_lock() {
+    let mut host = project("");
+    host.ok(&["init"]).await;
+    host.start().await;
+    wait_until("ready", Duration::from_secs(60), || {
+        let h = &host;
+        async move { h.get("/readyz").await.0 == 200 }
+    })
+    .await;
+    // Another process's exclusive transaction: in WAL mode reads go on
+    // (stats answer), every write waits.
+    let other = rusqlite::Connection::open(host.dir.path().join("onceq.db")).unwrap();
+    other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let (status, body) = host.get("/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("store cannot be written") && body.contains("is another process holding it?"),
+        "{body}"
+    );
+    other.execute_batch("ROLLBACK").unwrap();
+    wait_until("ready again once the lock is released", Duration::from_secs(60), || {
+        let h = &host;
+        async move { h.get("/readyz").await.0 == 200 }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_checks_the_token_before_reading_an_upload() {
     let mut host = project("");
     host.ok(&["init"]).await;

@@ -4,7 +4,7 @@
 //! | method | path | what |
 //! |---|---|---|
 //! | GET | `/healthz` | 200 while the process runs |
-//! | GET | `/readyz` | 200 once serving, the store answers and no queue is held back by the host's own trouble; 503 saying why otherwise |
+//! | GET | `/readyz` | 200 once serving, the store answers and can take a write, and no queue is held back by the host's own trouble; 503 saying why otherwise |
 //! | GET | `/metrics` | Prometheus (OpenMetrics text) |
 //! | GET | `/v1/stats` | queue and outbox counts, as `onceq stats --json` |
 //! | GET | `/v1/queues/{queue}/versions` | deployments, newest first, the active one marked |
@@ -178,6 +178,18 @@ async fn readyz(State(admin): State<Arc<Admin>>) -> Response {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return unready(format!("store error: {e}")),
         Err(_) => return unready("store did not answer within 2s".into()),
+    }
+    // Reads can go on while another process holds the write lock (WAL):
+    // readiness needs a write to be possible too.
+    match tokio::time::timeout(
+        crate::store::WRITE_CHECK_WITHIN + Duration::from_secs(1),
+        serving.store.write_check(),
+    )
+    .await
+    {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return unready(format!("store cannot be written: {e}")),
+        Err(_) => return unready("store's write check did not finish within 3s".into()),
     }
     // A queue that only defers for the host's trouble makes no progress.
     let held: Vec<String> = serving

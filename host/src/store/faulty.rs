@@ -227,6 +227,9 @@ impl Store for FaultyStore {
     async fn stats(&self) -> StoreResult<Stats> {
         self.inner.stats().await
     }
+    async fn write_check(&self) -> StoreResult<()> {
+        self.inner.write_check().await
+    }
     async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
         self.inner.dead_letter_list(queues, limit).await
     }

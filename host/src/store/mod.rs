@@ -390,6 +390,15 @@ pub trait Store: Send + Sync + 'static {
     /// Counts per queue (outbox queues included), with dedup keys held.
     async fn stats(&self) -> StoreResult<Stats>;
 
+    /// Whether the store can take a write within [`WRITE_CHECK_WITHIN`]:
+    /// `/readyz` asks, so a host whose database file another process holds
+    /// locked says so instead of answering ready while every commit waits.
+    /// Spanner has no lock one client can hold over the whole database: it
+    /// has nothing to check beyond the read `/readyz` makes.
+    async fn write_check(&self) -> StoreResult<()> {
+        Ok(())
+    }
+
     /// Stop taking commits: what is queued is committed, then the
     /// committer ends. Commits asked for after this are refused
     /// (unavailable, nothing written).
@@ -551,6 +560,9 @@ pub fn refuse_reserved_tables(ddl: &str) -> anyhow::Result<()> {
         None => Ok(()),
     }
 }
+
+/// How long [`Store::write_check`] tries to take the write lock.
+pub const WRITE_CHECK_WITHIN: Duration = Duration::from_secs(2);
 
 /// Store settings that are not part of the URL.
 #[derive(Debug, Clone)]

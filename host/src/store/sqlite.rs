@@ -135,6 +135,9 @@ pub struct SqliteStore {
     inner: Arc<Inner>,
 }
 
+/// How long a connection waits in SQLite's busy handler for a lock.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn classify(e: rusqlite::Error) -> StoreError {
     match &e {
         rusqlite::Error::SqliteFailure(f, _) => match f.code {
@@ -435,7 +438,7 @@ fn configure(conn: &Connection, options: &StoreOptions) -> anyhow::Result<()> {
     // one of 50 us to 1 ms, three hosts on one file ran at 750 msg/s with
     // it and 540 with the short sleeps (the waiters took the CPU from the
     // writer on 2 cores); one host alone ran at 920.
-    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
         anyhow::bail!("could not switch the database to WAL mode (got {mode})");
@@ -876,7 +879,7 @@ impl Inner {
             return Ok(c);
         }
         let c = Connection::open(&self.path).map_err(classify)?;
-        c.busy_timeout(Duration::from_secs(10)).map_err(classify)?;
+        c.busy_timeout(BUSY_TIMEOUT).map_err(classify)?;
         // Another connection's commit resets this one's page cache; with
         // the file mapped, re-reading those pages is not a syscall each.
         c.execute_batch(&format!("PRAGMA mmap_size = {MMAP_SIZE};")).map_err(classify)?;
@@ -1049,6 +1052,30 @@ impl Store for SqliteStore {
             reader: None,
         };
         Ok(Box::new(commit::Buffered::new(snapshot, self.inner.group.clone())))
+    }
+
+    async fn write_check(&self) -> StoreResult<()> {
+        // On the writer, in turn with this host's own writes (so only
+        // another process can hold the lock), trying without SQLite's busy
+        // handler and pausing between tries, so no thread blocks.
+        let writer = self.inner.writer.lock().await;
+        writer.busy_timeout(Duration::ZERO).map_err(classify)?;
+        let deadline = tokio::time::Instant::now() + WRITE_CHECK_WITHIN;
+        let out = loop {
+            match writer.execute_batch("BEGIN IMMEDIATE; ROLLBACK").map_err(classify) {
+                Ok(()) => break Ok(()),
+                Err(StoreError::Unavailable(m)) if tokio::time::Instant::now() >= deadline => {
+                    break Err(StoreError::Unavailable(format!(
+                        "the database's write lock was not free for {}s ({m}): is another process holding it?",
+                        WRITE_CHECK_WITHIN.as_secs()
+                    )))
+                }
+                Err(StoreError::Unavailable(_)) => tokio::time::sleep(Duration::from_millis(20)).await,
+                Err(e) => break Err(e),
+            }
+        };
+        writer.busy_timeout(BUSY_TIMEOUT).map_err(classify)?;
+        out
     }
 
     async fn stats(&self) -> StoreResult<Stats> {
