@@ -375,3 +375,74 @@ async fn spanner_a_bad_insert_fails_only_its_own_message() {
         assert_eq!(d.failures, 2, "{}", d.reason);
     }
 }
+
+/// Two hosts leasing from one shard at the same moment read the same
+/// oldest rows. The one whose lease transaction comes second finds them
+/// taken; before, it answered "nothing ready" and its workers backed off
+/// from a full queue (every other round here). Now it reads again, and it
+/// mostly picks other rows in the first place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_leasers_on_one_shard_never_see_a_full_queue_as_empty() {
+    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::{LeaseParams, SendParams};
+    let (_, database) = spanner_db("", StoreOptions::default()).await;
+    let one_shard = SpannerOptions {
+        database: database.clone(),
+        shards: 1,
+        clients: 2,
+        exclusive: None,
+        call_timeout: Duration::from_secs(10),
+    };
+    let options = StoreOptions::default();
+    let hosts: Vec<Arc<dyn Store>> = vec![
+        Arc::new(SpannerStore::open(&one_shard, &options).await.unwrap()),
+        Arc::new(SpannerStore::open(&one_shard, &options).await.unwrap()),
+    ];
+    let total = 240;
+    let sends: Vec<SendParams> = (0..total)
+        .map(|i| SendParams {
+            queue: "q".into(),
+            payload: format!("m{i}").into_bytes(),
+            ..Default::default()
+        })
+        .collect();
+    hosts[0].message_send(sends).await.unwrap();
+    let (limit, mut taken, mut empty_while_full, mut rounds) = (8, std::collections::BTreeSet::new(), 0, 0);
+    // Both hosts lease at once, round after round, while at least two
+    // full leases' worth is ready.
+    while total - taken.len() >= 2 * limit {
+        rounds += 1;
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let leases: Vec<_> = hosts
+            .iter()
+            .map(|h| {
+                let (h, barrier) = (h.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    h.message_lease(LeaseParams {
+                        queue: "q".into(),
+                        limit,
+                        lease: Duration::from_secs(600),
+                    })
+                    .await
+                    .unwrap()
+                })
+            })
+            .collect();
+        for l in leases {
+            let got = l.await.unwrap();
+            if got.is_empty() {
+                empty_while_full += 1;
+            }
+            for m in got {
+                assert!(taken.insert(m.message.id.clone()), "{} leased twice", m.message.id);
+            }
+        }
+        assert!(rounds < 100, "{} of {total} leased after {rounds} rounds", taken.len());
+    }
+    eprintln!("{rounds} rounds, {empty_while_full} empty leases, {} leased", taken.len());
+    assert_eq!(
+        empty_while_full, 0,
+        "a lease answered 'nothing ready' {empty_while_full} times in {rounds} rounds while the queue held messages"
+    );
+}

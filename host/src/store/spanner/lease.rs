@@ -17,6 +17,24 @@ pub(super) const LEASED_COLUMNS: [&str; 9] = [
     "failures",
 ];
 
+/// A lease round reads this many times the candidates it needs and picks
+/// among them at random (see [`SpannerStore::lease`]).
+pub(super) const WINDOW: usize = 4;
+/// ... but never more than this many beyond what it needs.
+pub(super) const MAX_EXTRA: usize = 192;
+/// Lease rounds at most per lease: a round that lost candidates to another
+/// leaser is followed by another.
+pub(super) const ROUNDS: usize = 3;
+
+/// Keep `want` of `found` at random (all of them when there are no more).
+fn pick<T>(found: &mut Vec<T>, want: usize, rng: &mut impl rand::Rng) {
+    use rand::seq::SliceRandom;
+    if found.len() > want {
+        found.shuffle(rng);
+        found.truncate(want);
+    }
+}
+
 /// A row of [`LEASED_COLUMNS`], leased with `token` until `until` as its
 /// attempt `attempt` (the values the lease writes).
 pub(super) fn message_from_row(
@@ -67,21 +85,61 @@ impl SpannerStore {
         self.pool.in_turn(|| self.lease(params(collect()))).await
     }
 
+    /// Up to `p.limit` ready messages of `p.queue`, leased with one token.
+    ///
+    /// Several leasers (the hosts) read the same shards, so a candidate can
+    /// be taken by another between this host's read and its lease. Two
+    /// things keep that from costing throughput: each round picks its
+    /// candidates at random among the oldest [`WINDOW`] times as many as it
+    /// needs (two leasers reading the same shard at once mostly pick
+    /// different rows, so fewer lease transactions conflict), and a round
+    /// that lost candidates is followed by another (up to [`ROUNDS`]):
+    /// a lost candidate is not an idle queue. Before, a leaser that lost
+    /// every candidate answered "nothing ready" and its workers backed off
+    /// from a full queue (tests/spanner.rs,
+    /// `spanner_leasers_on_one_shard_never_see_a_full_queue_as_empty`).
     pub(super) async fn lease(&self, p: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
         let token = random_id();
+        let mut out = Vec::new();
+        for _ in 0..ROUNDS {
+            let want = p.limit.saturating_sub(out.len());
+            if want == 0 {
+                break;
+            }
+            let Some((candidates, now)) = self.lease_candidates(&p.queue, want).await? else {
+                break; // nothing ready
+            };
+            let asked = candidates.len();
+            let leased = self.lease_these(&p, &token, candidates, now).await?;
+            let lost = asked - leased.len();
+            out.extend(leased);
+            if lost == 0 {
+                break;
+            }
+            tracing::trace!(queue = %p.queue, lost, asked, "lease candidates taken by another leaser; reading again");
+        }
+        out.sort_by_key(|m| m.message.enqueued_at);
+        Ok(out)
+    }
+
+    /// Up to `want` keys of ready messages of `queue`, picked at random
+    /// among the oldest `want * WINDOW`, and the database's time of the
+    /// read; `None` when nothing is ready.
+    async fn lease_candidates(&self, queue: &str, want: usize) -> StoreResult<Option<(Vec<(i64, String)>, i64)>> {
         // Start at a random shard (hosts spread over key ranges) and fill the
-        // batch from the following shards, oldest first within each.
+        // window from the following shards, oldest first within each.
         let first = i64::from(rand::random::<u32>() % self.shards);
+        let window = want.saturating_mul(WINDOW).min(want.saturating_add(MAX_EXTRA));
         // Candidates come from a strong read-only transaction: an empty
         // queue costs no read-write transaction (idle workers of many hosts
         // poll it). Its read timestamp is the database's clock; the queue's
         // index is read by key range up to it, shard by shard from `first`,
-        // at most `limit` rows: what is visible now, oldest first within a
+        // at most `window` rows: what is visible now, oldest first within a
         // shard, and never more rows than asked for. (The same candidates
         // as one query ordered by shard and visibility is a scan on the
         // emulator and reads every visible entry of the queue's index on
         // Spanner.)
-        let (candidates, now) = self
+        let (mut found, now) = self
             .pool
             .within("a lease query", false, async {
                 use google_cloud_spanner::transaction::BeginTransactionOption;
@@ -97,14 +155,14 @@ impl SpannerStore {
                     .map(|t| micros_of(&t))
                     .ok_or_else(|| StoreError::Permanent("a read-only transaction began without a read timestamp".into()))?;
                 let shards = i64::from(self.shards);
-                let (mut keys, mut n) = (KeySetBuilder::new(), 0usize);
+                let mut found = Vec::new();
                 for range in [first..shards, 0..first] {
-                    if n >= p.limit || range.is_empty() {
+                    if found.len() >= window || range.is_empty() {
                         continue;
                     }
                     let mut visible = KeySetBuilder::new();
                     for shard in range {
-                        let q = || SValue::from(p.queue.clone());
+                        let q = || SValue::from(queue.to_owned());
                         visible = visible.add_range(KeyRange::closed_closed(
                             Key::new(vec![q(), SValue::from(shard)]),
                             Key::new(vec![q(), SValue::from(shard), SValue::from(now)]),
@@ -112,22 +170,27 @@ impl SpannerStore {
                     }
                     let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", ["shard", "id"])
                         .with_index("onceq_messages_visible", visible.build())
-                        .set_limit((p.limit - n) as i64)
+                        .set_limit((window - found.len()) as i64)
                         .build();
                     let mut rs = ro.execute_read(read).await.map_err(classify)?;
                     while let Some(r) = rs.next().await {
                         let r = r.map_err(classify)?;
-                        let (shard, id) = (r.get::<i64>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?);
-                        keys = keys.add_key(Key::new(vec![SValue::from(shard), SValue::from(id)]));
-                        n += 1;
+                        found.push((r.get::<i64>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?));
                     }
                 }
-                Ok((if n == 0 { None } else { Some(keys.build()) }, now))
+                Ok((found, now))
             })
             .await?;
-        let Some(candidates) = candidates else {
-            return Ok(Vec::new());
-        };
+        if found.is_empty() {
+            return Ok(None);
+        }
+        pick(&mut found, want, &mut rand::rng());
+        Ok(Some((found, now)))
+    }
+
+    /// Lease those of `candidates` still ready at `now` (the candidates'
+    /// read time) with `token`.
+    async fn lease_these(&self, p: &LeaseParams, token: &str, candidates: Vec<(i64, String)>, now: i64) -> StoreResult<Vec<LeasedMessage>> {
         // The candidates' rows are read by key in the read-write
         // transaction (locked until it commits) and those still visible at
         // the query's time taken by mutations: no statement to plan or
@@ -139,11 +202,17 @@ impl SpannerStore {
         // does not get a shorter lease.
         let read_at = std::time::Instant::now();
         let lease = micros(p.lease);
-        let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", LEASED_COLUMNS)
-            .with_keys(candidates)
+        let keys = candidates
+            .into_iter()
+            .fold(KeySetBuilder::new(), |keys, (shard, id)| {
+                keys.add_key(Key::new(vec![SValue::from(shard), SValue::from(id)]))
+            })
             .build();
-        let (queue, lease_token) = (p.queue.clone(), token.clone());
-        let leased = self
+        let read = google_cloud_spanner::read::ReadRequest::builder("onceq_messages", LEASED_COLUMNS)
+            .with_keys(keys)
+            .build();
+        let (queue, lease_token) = (p.queue.clone(), token.to_owned());
+        let (leased, until) = self
             .rw("a lease", move |tx| {
                 let (read, queue, token) = (read.clone(), queue.clone(), lease_token.clone());
                 async move {
@@ -181,13 +250,10 @@ impl SpannerStore {
                 }
             })
             .await?;
-        let (leased, until) = leased;
-        let mut out = leased
+        leased
             .iter()
-            .map(|(r, attempt)| message_from_row(&p.queue, &token, r, *attempt, until))
-            .collect::<StoreResult<Vec<_>>>()?;
-        out.sort_by_key(|m| m.message.enqueued_at);
-        Ok(out)
+            .map(|(r, attempt)| message_from_row(&p.queue, token, r, *attempt, until))
+            .collect()
     }
 
     pub(super) async fn lease_renew(&self, leases: &[Lease], duration: Duration) -> StoreResult<Vec<bool>> {
@@ -216,5 +282,37 @@ impl SpannerStore {
             }
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::pick;
+    use rand::SeedableRng;
+    use std::collections::BTreeSet;
+
+    /// Two leasers picking 16 of the same 64 candidates share about four
+    /// (16 x 16 / 64); taking the oldest 16, both would take the same 16.
+    #[test]
+    fn two_leasers_mostly_pick_different_candidates() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut shared = 0;
+        for _ in 0..100 {
+            let (mut a, mut b): (Vec<u32>, Vec<u32>) = ((0..64).collect(), (0..64).collect());
+            pick(&mut a, 16, &mut rng);
+            pick(&mut b, 16, &mut rng);
+            assert_eq!((a.len(), b.len()), (16, 16));
+            assert_eq!(a.iter().collect::<BTreeSet<_>>().len(), 16, "picked one twice");
+            shared += a.iter().filter(|x| b.contains(x)).count();
+        }
+        assert!((200..=600).contains(&shared), "{shared} shared in 100 pairs of picks");
+    }
+
+    #[test]
+    fn fewer_candidates_than_wanted_are_all_kept() {
+        let mut found = vec![1, 2, 3];
+        pick(&mut found, 8, &mut rand::rng());
+        assert_eq!(found, [1, 2, 3]);
     }
 }
