@@ -67,18 +67,188 @@ async fn spanner_dedup_window() {
     suite::dedup_window(store, window).await
 }
 
-/// With 10 keys a transaction, 25 expired keys take three.
+/// Without a row deletion policy (`spanner.expiry = "purge"`), every
+/// purge that is due deletes the expired keys (here every call is).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spanner_purge_forgets_every_expired_key_in_bounded_transactions() {
-    let (store, _) = spanner_db(
-        SCHEMA_SPANNER,
-        StoreOptions {
-            spanner_purge_chunk: 10,
-            ..Default::default()
-        },
+async fn spanner_purge_forgets_every_expired_key_and_keeps_the_live_ones() {
+    let (store, _) = spanner_db(SCHEMA_SPANNER, purge_every(Duration::ZERO)).await;
+    suite::purge_forgets_every_expired_key_and_keeps_the_live_ones(store).await
+}
+
+fn purge_every(every: Duration) -> StoreOptions {
+    StoreOptions {
+        spanner_expiry: onceq::store::SpannerExpiry::Purge,
+        spanner_purge_every: every,
+        ..Default::default()
+    }
+}
+
+/// Google's client on `database`, not onceq's store.
+async fn client(database: &str) -> google_cloud_spanner::client::DatabaseClient {
+    let spanner = google_cloud_spanner::client::Spanner::builder().build().await.unwrap();
+    spanner.database_client(database.to_string()).build().await.unwrap()
+}
+
+/// The strings the query's first column returns.
+async fn strings(client: &google_cloud_spanner::client::DatabaseClient, sql: &str) -> Vec<Option<String>> {
+    let stmt = google_cloud_spanner::statement::Statement::builder(sql.to_string()).build();
+    let mut rs = client.single_use().build().execute_query(stmt).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(r) = rs.next().await {
+        out.push(r.unwrap().get::<Option<String>>(0).unwrap());
+    }
+    out
+}
+
+/// A database made by onceq deletes expired dedup keys itself (a row
+/// deletion policy): the purge has nothing to do and leaves them, and an
+/// expired key is no key from the moment it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_the_database_forgets_expired_keys_itself() {
+    use onceq::store::{SendOutcome, SendParams};
+    let (store, database) = spanner_db("", StoreOptions::default()).await;
+    let db = client(&database).await;
+    let policy = strings(
+        &db,
+        "SELECT ROW_DELETION_POLICY_EXPRESSION FROM INFORMATION_SCHEMA.TABLES WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
     )
     .await;
-    suite::purge_forgets_every_expired_key_and_keeps_the_live_ones(store).await
+    assert_eq!(policy, [Some("OLDER_THAN(expires, INTERVAL 0 DAY)".to_string())]);
+    let keyed = || SendParams {
+        queue: "q".into(),
+        payload: b"x".to_vec(),
+        dedup_key: Some("k".into()),
+        dedup_window: Some(Duration::from_millis(300)),
+        ..Default::default()
+    };
+    assert!(matches!(
+        store.message_send(vec![keyed()]).await.unwrap()[..],
+        [SendOutcome::Sent { .. }]
+    ));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(store.dedup_purge().await.unwrap(), 0, "no purge where the database expires keys");
+    let rows = strings(&db, "SELECT dedup_key FROM onceq_dedup").await;
+    assert_eq!(rows, [Some("k".to_string())], "the purge left the expired key to the database");
+    assert!(
+        matches!(store.message_send(vec![keyed()]).await.unwrap()[..], [SendOutcome::Sent { .. }]),
+        "an expired key is no key"
+    );
+}
+
+/// No index of onceq's tables leads with a time: an index on a monotonic
+/// column alone takes every insert at its tail, one split (Spanner's
+/// schema guidance). `onceq_dedup_expiry (expires_at)` did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_no_index_of_onceqs_leads_with_a_time() {
+    for expiry in [onceq::store::SpannerExpiry::Ttl, onceq::store::SpannerExpiry::Purge] {
+        let options = StoreOptions {
+            spanner_expiry: expiry,
+            ..Default::default()
+        };
+        let (_, database) = spanner_db("", options).await;
+        let leading = strings(
+            &client(&database).await,
+            "SELECT CONCAT(INDEX_NAME, ' (', COLUMN_NAME, ')') FROM INFORMATION_SCHEMA.INDEX_COLUMNS
+             WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_') AND INDEX_TYPE = 'INDEX' AND ORDINAL_POSITION = 1",
+        )
+        .await;
+        assert_eq!(leading, [Some("onceq_messages_visible (queue)".to_string())], "{expiry:?}");
+    }
+}
+
+/// 100,000 expired dedup keys (hours of a busy host's sends) and 5 live
+/// ones; two hosts purge at once. One of them takes the turn and deletes
+/// every expired key in one Partitioned DML statement, without an error
+/// (one DELETE in one transaction needed twice Spanner's 80,000
+/// mutations a commit); the other skips; the live keys stay; and no host
+/// purges again before the next turn is due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_a_purge_of_100000_expired_keys_runs_on_one_host_and_never_fails() {
+    use google_cloud_spanner::mutation::Mutation;
+    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    let options = purge_every(Duration::from_secs(3600));
+    let (_, database) = spanner_db("", options.clone()).await;
+    let db = client(&database).await;
+    let (expired, live) = (100_000usize, 5usize);
+    let started = std::time::Instant::now();
+    for chunk in (0..expired + live).collect::<Vec<_>>().chunks(10_000) {
+        let rows: Vec<Mutation> = chunk
+            .iter()
+            .map(|&i| {
+                let expires_at: i64 = if i < expired { 1_000_000 } else { i64::MAX / 2 };
+                Mutation::new_insert_builder("onceq_dedup")
+                    .set("queue")
+                    .to("q".to_string())
+                    .set("dedup_key")
+                    .to(format!("k{i}"))
+                    .set("message_id")
+                    .to(format!("m{i}"))
+                    .set("expires_at")
+                    .to(expires_at)
+                    .build()
+            })
+            .collect();
+        db.write_only_transaction().build().write(rows).await.unwrap();
+    }
+    eprintln!("{} keys written in {:?}", expired + live, started.elapsed());
+    let opts = SpannerOptions {
+        database,
+        shards: 4,
+        clients: 2,
+        exclusive: None,
+        call_timeout: Duration::from_secs(10),
+    };
+    let hosts = [
+        SpannerStore::open(&opts, &options).await.unwrap(),
+        SpannerStore::open(&opts, &options).await.unwrap(),
+    ];
+    let started = std::time::Instant::now();
+    let (a, b) = tokio::join!(hosts[0].dedup_purge(), hosts[1].dedup_purge());
+    let mut purged = [a.unwrap(), b.unwrap()];
+    eprintln!("purged {purged:?} in {:?}", started.elapsed());
+    purged.sort();
+    assert_eq!(
+        purged,
+        [0, expired as u64],
+        "one host purged every expired key, the other skipped its turn"
+    );
+    let left = strings(&db, "SELECT dedup_key FROM onceq_dedup ORDER BY dedup_key").await;
+    let want: Vec<Option<String>> = (expired..expired + live).map(|i| Some(format!("k{i}"))).collect();
+    assert_eq!(left, want, "the live keys stay");
+    assert_eq!(hosts[0].dedup_purge().await.unwrap() + hosts[1].dedup_purge().await.unwrap(), 0);
+}
+
+/// `onceq_counts` does not grow with restarts: 80 store instances (a host
+/// started 80 times), each acking a message, leave at most 64 rows for
+/// the queue (there was a row per instance), and the counts add up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_counts_rows_do_not_grow_with_restarts() {
+    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    let (_, database) = spanner_db("", StoreOptions::default()).await;
+    let opts = SpannerOptions {
+        database: database.clone(),
+        shards: 4,
+        clients: 1,
+        exclusive: None,
+        call_timeout: Duration::from_secs(10),
+    };
+    let restarts = 80;
+    for i in 0..restarts {
+        let s = SpannerStore::open(&opts, &StoreOptions::default()).await.unwrap();
+        s.message_send(vec![suite::send("q", &format!("{i}"))]).await.unwrap();
+        let got = suite::lease(&s, "q", 1, 60_000).await;
+        suite::ack(&s, &got[0].lease).await.unwrap();
+    }
+    let rows = strings(
+        &client(&database).await,
+        "SELECT CAST(COUNT(*) AS STRING) FROM onceq_counts WHERE queue = 'q'",
+    )
+    .await;
+    let rows: usize = rows[0].as_deref().unwrap().parse().unwrap();
+    assert!(rows <= 64, "{rows} counts rows after {restarts} restarts");
+    let s = SpannerStore::open(&opts, &StoreOptions::default()).await.unwrap();
+    let stats = s.stats().await.unwrap();
+    assert_eq!(stats.queues.iter().find(|q| q.queue == "q").unwrap().processed, restarts as u64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,7 +280,10 @@ async fn spanner_writes_scans_and_atomicity() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_outbox_intents() {
-    suite::outbox_intents(db().await).await
+    // The case counts what the purge deletes: without a row deletion
+    // policy (with one, the database deletes them and the purge counts 0).
+    let (store, _) = spanner_db(SCHEMA_SPANNER, purge_every(Duration::ZERO)).await;
+    suite::outbox_intents(store).await
 }
 
 // ---- the exactly-once protocol on Spanner ----

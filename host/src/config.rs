@@ -34,6 +34,7 @@ struct RawSpanner {
     clients: Option<usize>,
     exclusive_clients: Option<bool>,
     call_timeout: Option<String>,
+    expiry: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -446,6 +447,13 @@ impl RawConfig {
             }
             o.spanner_call_timeout = t;
         }
+        if let Some(e) = &sp.expiry {
+            o.spanner_expiry = match e.as_str() {
+                "ttl" => crate::store::SpannerExpiry::Ttl,
+                "purge" => crate::store::SpannerExpiry::Purge,
+                _ => bail!("spanner.expiry must be \"ttl\" or \"purge\", got {e:?}"),
+            };
+        }
         if let Some(n) = self.commit.max_batch {
             if n == 0 {
                 bail!("commit.max_batch must be at least 1 (1 commits every message alone)");
@@ -807,6 +815,18 @@ mod tests {
         assert!(e.contains("queue q: memory") && e.contains("parsecs"), "{e}");
         assert_eq!(parse_duration("k", "250ms").unwrap(), Duration::from_millis(250));
         assert!(parse_duration("lease", "soon").unwrap_err().to_string().contains("lease: \"soon\""));
+    }
+
+    #[test]
+    fn spanner_expiry_is_ttl_or_purge() {
+        let cfg = |expiry: &str| Config::parse(&format!("store = \"x.db\"\n[spanner]\nexpiry = \"{expiry}\"\n"), Path::new("/b"));
+        assert_eq!(
+            cfg("purge").unwrap().store_options.spanner_expiry,
+            crate::store::SpannerExpiry::Purge
+        );
+        assert_eq!(cfg("ttl").unwrap().store_options.spanner_expiry, crate::store::SpannerExpiry::Ttl);
+        let e = format!("{:#}", cfg("never").unwrap_err());
+        assert!(e.contains("spanner.expiry") && e.contains("\"never\""), "{e}");
     }
 
     #[test]

@@ -581,12 +581,27 @@ pub struct StoreOptions {
     /// commit, a client's creation); one that passes replaces the
     /// connection.
     pub spanner_call_timeout: Duration,
-    /// Spanner: most expired dedup keys the purge deletes in one
-    /// transaction (with its index entries, two mutations a key: Spanner
-    /// refuses a commit of more than 80,000). Not a setting.
-    pub spanner_purge_chunk: usize,
+    /// Spanner: how a database onceq creates forgets expired dedup keys
+    /// (`spanner.expiry`).
+    pub spanner_expiry: SpannerExpiry,
+    /// Spanner, without a row deletion policy: how often one host purges
+    /// expired dedup keys (the others skip their turn). Not a setting.
+    pub spanner_purge_every: Duration,
     /// Group commit (`[commit]`).
     pub commit: commit::CommitOptions,
+}
+
+/// How a Spanner database that onceq creates forgets expired dedup keys
+/// (`spanner.expiry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpannerExpiry {
+    /// A row deletion policy (TTL) on `onceq_dedup`: Spanner deletes
+    /// expired keys in the background (within days; reads ignore them
+    /// from the moment they expire), no purge transaction at all.
+    #[default]
+    Ttl,
+    /// No policy: one host a minute deletes them with Partitioned DML.
+    Purge,
 }
 
 impl StoreOptions {
@@ -611,7 +626,8 @@ impl Default for StoreOptions {
             spanner_clients: 16,
             spanner_exclusive_clients: None,
             spanner_call_timeout: Duration::from_secs(10),
-            spanner_purge_chunk: 4_000,
+            spanner_expiry: SpannerExpiry::Ttl,
+            spanner_purge_every: Duration::from_secs(50),
             commit: commit::CommitOptions::default(),
         }
     }

@@ -20,7 +20,7 @@ CREATE TABLE typed (id TEXT PRIMARY KEY, b BOOL, i INTEGER, f REAL, s TEXT, by B
 CREATE TABLE pairs (a TEXT NOT NULL, n INTEGER NOT NULL, v TEXT, PRIMARY KEY (a, n));
 ";
 
-fn send(queue: &str, payload: &str) -> SendParams {
+pub fn send(queue: &str, payload: &str) -> SendParams {
     SendParams {
         queue: queue.into(),
         payload: payload.as_bytes().to_vec(),
@@ -28,7 +28,7 @@ fn send(queue: &str, payload: &str) -> SendParams {
     }
 }
 
-async fn lease(store: &dyn Store, queue: &str, limit: usize, ms: u64) -> Vec<onceq::store::LeasedMessage> {
+pub async fn lease(store: &dyn Store, queue: &str, limit: usize, ms: u64) -> Vec<onceq::store::LeasedMessage> {
     store
         .message_lease(LeaseParams {
             queue: queue.into(),
@@ -39,7 +39,7 @@ async fn lease(store: &dyn Store, queue: &str, limit: usize, ms: u64) -> Vec<onc
         .unwrap()
 }
 
-async fn ack(store: &dyn Store, l: &onceq::store::Lease) -> Result<(), StoreError> {
+pub async fn ack(store: &dyn Store, l: &onceq::store::Lease) -> Result<(), StoreError> {
     let mut tx = store.transaction_begin().await.unwrap();
     tx.message_ack(l);
     tx.commit().await

@@ -43,7 +43,7 @@ pub async fn dedup_window(store: Arc<dyn Store>, window: Duration) {
 }
 
 /// The purge forgets every expired key, however many (on Spanner in
-/// transactions of `spanner_purge_chunk` keys), and keeps the live ones:
+/// Partitioned DML), and keeps the live ones:
 /// an expired key can be sent again, a live one is still a duplicate.
 pub async fn purge_forgets_every_expired_key_and_keeps_the_live_ones(store: Arc<dyn Store>) {
     let s = store.as_ref();

@@ -4,8 +4,19 @@
 
 use super::*;
 
-/// onceq's own tables, in GoogleSQL.
-pub fn system_ddl() -> Vec<String> {
+/// onceq's own tables, in GoogleSQL, their dedup keys expiring by a row
+/// deletion policy (TTL) or not ([`SpannerExpiry`]).
+///
+/// No index of them leads with a time: an index on a monotonic column
+/// alone sends every insert to the split at its tail (Spanner's schema
+/// guidance). The queue's index leads with the queue and shard; the dedup
+/// keys' expiry has no index at all (the row deletion policy needs none,
+/// Partitioned DML neither), where it had one on `expires_at` alone.
+pub fn system_ddl(expiry: SpannerExpiry) -> Vec<String> {
+    let dedup = match expiry {
+        SpannerExpiry::Ttl => DEDUP_TTL_DDL,
+        SpannerExpiry::Purge => DEDUP_DDL,
+    };
     [
         "CREATE TABLE onceq_messages (
             shard INT64 NOT NULL, id STRING(64) NOT NULL, queue STRING(256) NOT NULL,
@@ -19,19 +30,44 @@ pub fn system_ddl() -> Vec<String> {
             attempts INT64 NOT NULL, enqueued_at INT64 NOT NULL, failed_at INT64 NOT NULL, reason STRING(MAX) NOT NULL,
             handler_version STRING(64), failures INT64 NOT NULL DEFAULT (0)
          ) PRIMARY KEY (id)",
-        "CREATE TABLE onceq_dedup (
-            queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
-         ) PRIMARY KEY (queue, dedup_key)",
-        "CREATE INDEX onceq_dedup_expiry ON onceq_dedup (expires_at)",
+        dedup,
         COUNTS_DDL,
+        CHORES_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
     .collect()
 }
 
-/// The processed counts (`onceq stats`): a row per queue and per store
-/// instance (`shard`), so hosts never contend for one row; stats add them.
+/// The dedup keys, without a row deletion policy.
+const DEDUP_DDL: &str = "CREATE TABLE onceq_dedup (
+            queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL
+         ) PRIMARY KEY (queue, dedup_key)";
+
+/// The dedup keys, deleted by Spanner once expired (`expires`, a stored
+/// generated column, is the policy's TIMESTAMP; onceq reads and writes
+/// `expires_at`).
+const DEDUP_TTL_DDL: &str = "CREATE TABLE onceq_dedup (
+            queue STRING(256) NOT NULL, dedup_key STRING(MAX) NOT NULL, message_id STRING(64) NOT NULL, expires_at INT64 NOT NULL,
+            expires TIMESTAMP AS (TIMESTAMP_MICROS(expires_at)) STORED
+         ) PRIMARY KEY (queue, dedup_key), ROW DELETION POLICY (OLDER_THAN(expires, INTERVAL 0 DAY))";
+
+/// What turns bring a database that has none a row deletion policy on
+/// its dedup keys (the advice `open` logs).
+pub(super) const DEDUP_TTL_ALTER: [&str; 2] = [
+    "ALTER TABLE onceq_dedup ADD COLUMN expires TIMESTAMP AS (TIMESTAMP_MICROS(expires_at)) STORED",
+    "ALTER TABLE onceq_dedup ADD ROW DELETION POLICY (OLDER_THAN(expires, INTERVAL 0 DAY))",
+];
+
+/// Chores one host at a time does (the dedup purge): whose turn it is
+/// and when the next one is due.
+pub(super) const CHORES_DDL: &str = "CREATE TABLE onceq_chores (
+            chore STRING(64) NOT NULL, holder STRING(64) NOT NULL, next_at INT64 NOT NULL
+         ) PRIMARY KEY (chore)";
+
+/// The processed counts (`onceq stats`): [`COUNT_ROWS`] rows per queue,
+/// each batch commit adding to one at random, so hosts seldom contend for
+/// a row and restarts add none; stats add them.
 pub(super) const COUNTS_DDL: &str = "CREATE TABLE onceq_counts (
             queue STRING(256) NOT NULL, shard INT64 NOT NULL, processed INT64 NOT NULL, last_at INT64 NOT NULL
          ) PRIMARY KEY (queue, shard)";
@@ -135,7 +171,7 @@ impl SpannerStore {
         Box::pin(async move {
             // Creating a database on real Spanner takes up to a minute or two.
             const INIT_DEADLINE: Duration = Duration::from_secs(300);
-            tokio::time::timeout(INIT_DEADLINE, Self::create(opts, business_ddl))
+            tokio::time::timeout(INIT_DEADLINE, Self::create(opts, business_ddl, options.spanner_expiry))
                 .await
                 .map_err(|_| anyhow::anyhow!("creating database {}: no answer from Spanner within 5m", opts.database))??;
             Self::open(opts, options).await
@@ -143,7 +179,7 @@ impl SpannerStore {
     }
 
     /// The emulator's instance (on the emulator) and the database.
-    pub(super) async fn create(opts: &SpannerOptions, business_ddl: &str) -> anyhow::Result<()> {
+    pub(super) async fn create(opts: &SpannerOptions, business_ddl: &str, expiry: SpannerExpiry) -> anyhow::Result<()> {
         use google_cloud_lro::Poller;
         let (project, instance, database) = parse_database(&opts.database)?;
         let spanner = Spanner::builder()
@@ -177,7 +213,7 @@ impl SpannerStore {
             }
         }
         let admin = database_admin(&spanner).await?;
-        let mut ddl = system_ddl();
+        let mut ddl = system_ddl(expiry);
         ddl.extend(split_ddl(business_ddl));
         admin
             .create_database()
@@ -225,15 +261,27 @@ impl SpannerStore {
         .await
         .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
         Self::migrate(&pool, &opts.database, &tables).await?;
+        let ttl = retrying("the row deletion policy query", || {
+            pool.within("the row deletion policy query", false, Self::dedup_ttl(&pool))
+        })
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
+        if !ttl && options.spanner_expiry == SpannerExpiry::Ttl {
+            tracing::info!(
+                "{}: onceq_dedup has no row deletion policy (made by an older onceq or with spanner.expiry = \"purge\"): one host a minute deletes expired dedup keys with Partitioned DML; to let Spanner delete them instead: {}; DROP INDEX onceq_dedup_expiry (if present)",
+                opts.database,
+                DEDUP_TTL_ALTER.join("; ")
+            );
+        }
         let counts = match tables.contains(&("onceq_counts".to_string(), "processed".to_string())) {
-            true => Some(shard_of(&random_id(), u32::MAX)),
+            true => true,
             false => {
                 tracing::warn!(
                     "{} has no onceq_counts table (made by an older onceq): `onceq stats` will not count processed messages; add it with: {}",
                     opts.database,
                     COUNTS_DDL.split_whitespace().collect::<Vec<_>>().join(" ")
                 );
-                None
+                false
             }
         };
         let schema = Arc::new(schema);
@@ -252,7 +300,31 @@ impl SpannerStore {
             options: options.clone(),
             shards,
             counts,
+            ttl,
+            instance: random_id(),
         })
+    }
+
+    /// Whether `onceq_dedup` has a row deletion policy.
+    pub(super) async fn dedup_ttl(pool: &Arc<Pool>) -> StoreResult<bool> {
+        let c = pool.get().await?;
+        let mut rs = c
+            .single_use()
+            .build()
+            .execute_query(
+                Statement::builder(
+                    "SELECT ROW_DELETION_POLICY_EXPRESSION FROM INFORMATION_SCHEMA.TABLES
+                     WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
+                )
+                .build(),
+            )
+            .await
+            .map_err(classify)?;
+        let mut ttl = false;
+        while let Some(r) = rs.next().await {
+            ttl |= r.map_err(classify)?.get::<Option<String>>(0).map_err(classify)?.is_some();
+        }
+        Ok(ttl)
     }
 
     /// onceq's own tables and their columns, as (table, column).
@@ -279,8 +351,9 @@ impl SpannerStore {
     }
 
     /// Bring a database made by an older onceq up to date: the `failures`
-    /// columns (failures counted apart from deliveries). A queued message
-    /// starts with none; a dead letter keeps its old count as its failures.
+    /// columns (failures counted apart from deliveries; a queued message
+    /// starts with none, a dead letter keeps its old count as its
+    /// failures) and the chores table.
     pub(super) async fn migrate(pool: &Arc<Pool>, database: &str, tables: &BTreeSet<(String, String)>) -> anyhow::Result<()> {
         let has = |t: &str, c: &str| tables.contains(&(t.to_string(), c.to_string()));
         let mut ddl = Vec::new();
@@ -289,10 +362,13 @@ impl SpannerStore {
                 ddl.push(format!("ALTER TABLE {table} ADD COLUMN failures INT64 NOT NULL DEFAULT (0)"));
             }
         }
+        if has("onceq_messages", "id") && !has("onceq_chores", "chore") {
+            ddl.push(CHORES_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
         if ddl.is_empty() {
             return Ok(());
         }
-        tracing::info!(%database, "adding the failure counts to onceq's tables: {}", ddl.join("; "));
+        tracing::info!(%database, "bringing onceq's tables up to date: {}", ddl.join("; "));
         update_ddl(database, ddl).await?;
         if has("onceq_dead_letters", "id") && !has("onceq_dead_letters", "failures") {
             let stmt = Statement::builder("UPDATE onceq_dead_letters SET failures = attempts WHERE failures = 0").build();

@@ -74,6 +74,10 @@ type RwTx = google_cloud_spanner::transaction::ReadWriteTransaction;
 
 const NOW: &str = "UNIX_MICROS(CURRENT_TIMESTAMP())";
 
+/// Rows of `onceq_counts` per queue: each batch commit adds to one of
+/// them at random (see [`batch::SpannerBatch::commit_all`]).
+const COUNT_ROWS: u32 = 64;
+
 /// Settings of the Spanner store.
 #[derive(Debug, Clone)]
 pub struct SpannerOptions {
@@ -100,9 +104,15 @@ pub struct SpannerStore {
     /// Message commits, grouped ([`commit::Group`]).
     group: Arc<commit::Group>,
     shards: u32,
-    /// This instance's row of `onceq_counts`; `None` on a database made
-    /// before the table (counting is then off, said once at open).
-    counts: Option<i64>,
+    /// Whether `onceq_counts` exists; not on a database made before the
+    /// table (counting is then off, said once at open).
+    counts: bool,
+    /// Whether the database deletes expired dedup keys itself (a row
+    /// deletion policy on `onceq_dedup`); else the purge does, from one
+    /// host at a time ([`SpannerStore::dedup_purge`]).
+    ttl: bool,
+    /// This store instance, as the holder of a chore's turn.
+    instance: String,
 }
 
 fn shard_of(id: &str, shards: u32) -> i64 {

@@ -33,6 +33,40 @@ impl SpannerStore {
         }
     }
 
+    /// Whether this host does `chore` now: true at most once per `every`
+    /// across every host of the database (the first to ask once it is due
+    /// takes the turn and sets the next one), so a chore that reads a whole
+    /// table runs once per period, not once per host.
+    pub(super) async fn chore_turn(&self, chore: &'static str, every: Duration) -> StoreResult<bool> {
+        let every = micros(every);
+        let query = Statement::builder(format!("SELECT {NOW}, (SELECT next_at FROM onceq_chores WHERE chore = @c)"))
+            .add_param("c", chore.to_string())
+            .build();
+        let turn = Mutation::new_insert_or_update_builder("onceq_chores")
+            .set("chore")
+            .to(chore.to_string())
+            .set("holder")
+            .to(&self.instance);
+        self.rw("a chore's turn", move |tx| {
+            let (query, turn) = (query.clone(), turn.clone());
+            async move {
+                let mut rs = tx.execute_query(query).await?;
+                let mut due = None;
+                while let Some(r) = rs.next().await {
+                    let r = r?;
+                    let (now, next_at) = (r.get::<i64>(0)?, r.get::<Option<i64>>(1)?);
+                    if next_at.is_none_or(|at| at <= now) {
+                        due = Some(now);
+                    }
+                }
+                let Some(now) = due else { return Ok(false) };
+                tx.buffer(vec![turn.set("next_at").to(now.saturating_add(every)).build()])?;
+                Ok(true)
+            }
+        })
+        .await
+    }
+
     pub(super) async fn query_rows(&self, stmt: Statement, table: &TableSchema) -> StoreResult<Vec<Row>> {
         self.pool
             .within(&format!("a query of {}", table.name), false, async {
@@ -72,7 +106,7 @@ impl SpannerStore {
             e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
             e.expired_leases = r.get::<i64>(5).map_err(classify)? as u64;
         }
-        if self.counts.is_some() {
+        if self.counts {
             let mut rs = c
                 .single_use()
                 .build()
@@ -139,9 +173,9 @@ pub(super) fn dead_letter_table() -> TableSchema {
     )
 }
 
-/// Most transactions one dedup purge runs (each of `spanner_purge_chunk`
-/// keys); the rest waits for the next run, a minute later.
-const PURGE_CHUNKS: usize = 64;
+/// The deadline of one dedup purge (Partitioned DML runs as long as the
+/// table is large, beyond the deadline of one call).
+const PURGE_DEADLINE: Duration = Duration::from_secs(600);
 
 pub(super) const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
 
@@ -382,38 +416,39 @@ impl Store for SpannerStore {
         self.query_rows(select_stmt(&t, &[], Some(usize::MAX >> 2)), &t).await
     }
 
-    /// In transactions of at most `spanner_purge_chunk` keys (ties at a
-    /// chunk's last expiry go with it), oldest first, up to
-    /// [`PURGE_CHUNKS`] of them a run. One `DELETE` of every expired key
-    /// was one transaction whatever their number: a minute of a busy
-    /// host's keys is tens of thousands, over Spanner's 80,000 mutations
-    /// a commit with their index entries, so the purge failed at steady
-    /// state, every minute, against a growing table.
+    /// Nothing where the database deletes expired keys itself (a row
+    /// deletion policy, what `onceq init` makes). Otherwise the host whose
+    /// turn it is ([`SpannerStore::chore_turn`], one a
+    /// `spanner_purge_every`) deletes every expired key with Partitioned
+    /// DML, which Spanner runs partition by partition in transactions of
+    /// its own: no commit limit to reach however many keys expired. (One
+    /// `DELETE` of every expired key, the first design, exceeded Spanner's
+    /// 80,000 mutations a commit at steady state on a busy host; the
+    /// chunked deletes that replaced it needed an index on `expires_at`,
+    /// whose tail takes every insert.) Reads never count on the purge: an
+    /// expired key is no key.
     async fn dedup_purge(&self) -> StoreResult<u64> {
-        let chunk = self.options.spanner_purge_chunk.clamp(1, i64::MAX as usize) as i64;
-        let mut purged = 0u64;
-        for _ in 0..PURGE_CHUNKS {
-            let n = self
-                .rw("the dedup purge", move |tx| async move {
-                    tx.execute_update(
-                        Statement::builder(format!(
-                            "DELETE FROM onceq_dedup WHERE expires_at <= (
-                                 SELECT MAX(expires_at) FROM (
-                                     SELECT expires_at FROM onceq_dedup WHERE expires_at <= {NOW}
-                                     ORDER BY expires_at LIMIT @n))"
-                        ))
-                        .add_param("n", chunk)
-                        .build(),
-                    )
-                    .await
-                })
-                .await?;
-            purged += n.max(0) as u64;
-            if n < chunk {
-                break;
-            }
+        if self.ttl || !self.chore_turn("dedup_purge", self.options.spanner_purge_every).await? {
+            return Ok(0);
         }
-        Ok(purged)
+        let stmt = Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build();
+        let pool = self.pool.clone();
+        let deleted = self
+            .pool
+            .in_turn(move || async move {
+                let c = pool.get().await?;
+                tokio::time::timeout(PURGE_DEADLINE, c.partitioned_dml_transaction().build().execute_update(stmt))
+                    .await
+                    .map_err(|_| {
+                        StoreError::Unavailable(format!(
+                            "the dedup purge: no answer within {}",
+                            crate::names::duration(PURGE_DEADLINE)
+                        ))
+                    })?
+                    .map_err(classify)
+            })
+            .await?;
+        Ok(deleted.max(0) as u64)
     }
 
     async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
