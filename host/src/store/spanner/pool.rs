@@ -346,6 +346,10 @@ where
     client
         .read_write_transaction()
         .with_transaction_timeout(deadline.mul_f64(0.8))
+        // Serializable, said rather than left to the database's default
+        // (which an administrator can set to repeatable read): the ack's
+        // re-read of what the handler read relies on it.
+        .set_isolation_level(google_cloud_spanner::model::transaction_options::IsolationLevel::Serializable)
         // The client's runner re-runs an aborted attempt itself, passing
         // the aborted transaction's id (`multiplexed_session_previous_
         // transaction_id`), so the retry keeps its wound-wait priority: a
