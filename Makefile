@@ -28,7 +28,7 @@ JS_GUESTS    := payments inventory fixtures/sdk
 MDBOOK_VERSION := 0.4.52
 MDBOOK       := tools/mdbook/bin/mdbook
 
-.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench docs lint fmt clean emulator
+.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench sim docs lint fmt clean emulator
 
 all: build guests
 
@@ -129,6 +129,11 @@ chaos: guests
 ## bench: throughput and latency, Wasm vs native vs raw SQLite, in one run
 bench: guests
 	tests/with-spanner-emulator.sh $(CARGO) bench --profile release --bench pipeline
+
+## sim: onceq on Cloud Spanner at scale, simulated (sim/, CPU only, seconds):
+## the tables docs/src/spanner.md quotes, and their chart
+sim:
+	$(CARGO) run --release -p onceq-sim -- docs/src/bench/scale.svg
 
 ## docs: the book (docs/, mdBook) into docs/book; open docs/book/index.html.
 ## `make test` checks its links, configuration keys and commands (tests/docs.rs)

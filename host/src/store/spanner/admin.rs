@@ -65,7 +65,7 @@ pub(super) const CHORES_DDL: &str = "CREATE TABLE onceq_chores (
             chore STRING(64) NOT NULL, holder STRING(64) NOT NULL, next_at INT64 NOT NULL
          ) PRIMARY KEY (chore)";
 
-/// The processed counts (`onceq stats`): [`COUNT_ROWS`] rows per queue,
+/// The processed counts (`onceq stats`): `spanner_count_rows` rows per queue,
 /// each batch commit adding to one at random, so hosts seldom contend for
 /// a row and restarts add none; stats add them.
 pub(super) const COUNTS_DDL: &str = "CREATE TABLE onceq_counts (
@@ -292,6 +292,7 @@ impl SpannerStore {
             shards,
             window: options.dedup_window,
             counts,
+            count_rows: options.spanner_count_rows,
         };
         Ok(SpannerStore {
             pool,

@@ -468,6 +468,8 @@ pub(super) struct SpannerBatch {
     /// Whether `onceq_counts` exists (a database made by an older onceq
     /// may lack it).
     pub(super) counts: bool,
+    /// Its rows per queue (`StoreOptions::spanner_count_rows`).
+    pub(super) count_rows: u32,
 }
 
 impl SpannerBatch {
@@ -480,10 +482,10 @@ impl SpannerBatch {
         lost: Arc<Mutex<Vec<bool>>>,
     ) -> StoreResult<Vec<StoreResult<()>>> {
         let (schema, shards, window) = (self.schema.clone(), self.shards, self.window);
-        // Each commit counts in one of COUNT_ROWS rows per queue, at random:
-        // hosts seldom meet on a row, and the table never grows past
-        // COUNT_ROWS rows a queue however often hosts restart.
-        let counts = self.counts.then(|| i64::from(rand::random::<u32>() % COUNT_ROWS));
+        // Each commit counts in one of `count_rows` rows per queue, at
+        // random: hosts seldom meet on a row, and the table never grows
+        // past that many rows a queue however often hosts restart.
+        let counts = self.counts.then(|| i64::from(rand::random::<u32>() % self.count_rows.max(1)));
         let assert_one = batch.len() == 1;
         self.pool
             .rw("a commit", move |tx| {

@@ -74,10 +74,6 @@ type RwTx = google_cloud_spanner::transaction::ReadWriteTransaction;
 
 const NOW: &str = "UNIX_MICROS(CURRENT_TIMESTAMP())";
 
-/// Rows of `onceq_counts` per queue: each batch commit adds to one of
-/// them at random (see [`batch::SpannerBatch::commit_all`]).
-const COUNT_ROWS: u32 = 64;
-
 /// Settings of the Spanner store.
 #[derive(Debug, Clone)]
 pub struct SpannerOptions {
