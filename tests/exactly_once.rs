@@ -121,6 +121,7 @@ async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
                 faults: Some(BatchFaults {
                     after_commit: 0.2,
                     before_commit: 0.2,
+                    aborted: 0.0,
                     seed: 4,
                 }),
             },

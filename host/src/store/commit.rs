@@ -59,6 +59,11 @@ pub struct Pending {
 /// transaction is then the database's to refuse).
 pub const MAX_BATCH_MUTATIONS: usize = 40_000;
 
+/// Most [`Pending::bytes`] one batch commits: a third of Spanner's 100 MB
+/// a commit (index entries repeat key columns, which onceq does not
+/// count). A message heavier than this commits alone.
+pub const MAX_BATCH_BYTES: usize = 32 << 20;
+
 impl Pending {
     /// What committing this costs in Spanner's mutations, estimated: a
     /// cell per written column (one for a delete), a message row
@@ -75,6 +80,34 @@ impl Pending {
             .sum();
         let sends: usize = self.sends.iter().map(|p| 12 + if p.dedup_key.is_some() { 6 } else { 0 }).sum();
         writes + sends + 3 * self.holds.len() + 2
+    }
+
+    /// What committing this writes, in bytes, estimated: every written
+    /// value (8 for a number or a time), each send's payload and
+    /// attributes and key, a few hundred bytes of onceq's own columns per
+    /// row.
+    pub fn bytes(&self) -> usize {
+        let value = |v: &Value| match v {
+            Value::Null | Value::Bool(_) => 1,
+            Value::Int64(_) | Value::Float64(_) | Value::Timestamp(_) => 8,
+            Value::String(s) | Value::Json(s) => s.len(),
+            Value::Bytes(b) => b.len(),
+        };
+        let writes: usize = self
+            .writes
+            .iter()
+            .map(|w| w.values.iter().flatten().map(value).sum::<usize>() + 64)
+            .sum();
+        let sends: usize = self
+            .sends
+            .iter()
+            .map(|p| {
+                let attrs: usize = p.attributes.iter().map(|(k, v)| k.len() + v.len() + 6).sum();
+                p.payload.len() + attrs + p.queue.len() + p.dedup_key.as_ref().map_or(0, |k| 2 * k.len()) + 256
+            })
+            .sum();
+        let holds: usize = self.holds.iter().map(|(q, k, _)| q.len() + k.len() + 64).sum();
+        writes + sends + holds + 128
     }
 
     /// Record a read the handler made (re-checked at commit).
@@ -664,22 +697,22 @@ async fn committer(
             let mut q = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let (first, rx, senders, later) = &mut *q;
             let mut batch = Vec::new();
-            let mut weight = 0;
-            let mut next = first.take().map(|(p, tx)| (p.mutations(), p, tx));
-            while let Some((mutations, p, tx)) = next {
-                weight += mutations;
+            let (mut mutations, mut bytes) = (0, 0);
+            let mut next = first.take().map(|(p, tx)| ((p.mutations(), p.bytes()), p, tx));
+            while let Some(((m, b), p, tx)) = next {
+                (mutations, bytes) = (mutations + m, bytes + b);
                 batch.push(p);
                 senders.push(tx);
                 next = None;
                 while senders.len() < options.max_batch {
                     match rx.try_recv() {
                         Ok(Job::Commit(p, tx)) => {
-                            let mutations = p.mutations();
-                            if weight + mutations > MAX_BATCH_MUTATIONS {
+                            let (m, b) = (p.mutations(), p.bytes());
+                            if mutations + m > MAX_BATCH_MUTATIONS || bytes + b > MAX_BATCH_BYTES {
                                 // Too heavy for this batch: the first of the next.
                                 later.push_back(Job::Commit(p, tx));
                             } else {
-                                next = Some((mutations, p, tx));
+                                next = Some(((m, b), p, tx));
                             }
                             break;
                         }
@@ -930,6 +963,78 @@ mod tests {
         };
         group.commit(huge).await.unwrap();
         assert_eq!(rec.sizes.lock().unwrap().last(), Some(&1));
+    }
+
+    /// The worst `max_effects` allows by bytes (1,000 follow-ups of 1 KiB:
+    /// 1.25 MB a message) fills a batch by bytes: 64 of them would be 80
+    /// MB, near Spanner's 100 MB a commit; a batch stops at 32 MiB.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_holds_at_most_max_batch_bytes() {
+        let rec = Recorder::new();
+        let options = CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::from_millis(50),
+            ..CommitOptions::default()
+        };
+        let big = |id: &str| Pending {
+            sends: vec![
+                SendParams {
+                    queue: "q".into(),
+                    payload: vec![b'x'; 1024],
+                    ..SendParams::default()
+                };
+                1_000
+            ],
+            ..pending(id)
+        };
+        let (m, b) = (big("x").mutations(), big("x").bytes());
+        assert!(m < MAX_BATCH_MUTATIONS / 3 && b > 1_000_000, "{m} mutations, {b} bytes");
+        let group = Arc::new(Group::new(options, rec.clone()));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..64 {
+            let (g, p) = (group.clone(), big(&format!("m-{i}")));
+            tasks.spawn(async move { g.commit(p).await });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r.unwrap().unwrap();
+        }
+        let sizes = rec.sizes.lock().unwrap().clone();
+        assert_eq!(sizes.iter().sum::<usize>(), 64, "every pending committed once: {sizes:?}");
+        let most = MAX_BATCH_BYTES / b;
+        assert!(sizes.iter().all(|&n| n <= most), "at most {most} a batch by bytes: {sizes:?}");
+    }
+
+    /// Payments: about 26 mutations and well under a kilobyte a message,
+    /// so 64 of them are one batch by either bound.
+    #[test]
+    fn a_payments_message_is_light_by_both_bounds() {
+        let p = Pending {
+            writes: vec![
+                ValidWrite {
+                    table: "accounts".into(),
+                    op: crate::value::WriteOp::Update,
+                    values: vec![Some(Value::String("acct-17".into())), Some(Value::Int64(950))],
+                },
+                ValidWrite {
+                    table: "orders".into(),
+                    op: crate::value::WriteOp::Insert,
+                    values: vec![
+                        Some(Value::String("order-1".into())),
+                        Some(Value::String("acct-17".into())),
+                        Some(Value::Int64(50)),
+                    ],
+                },
+            ],
+            sends: vec![SendParams {
+                queue: "onceq_outbox_webhook".into(),
+                payload: br#"{"order":"order-1","amount":50}"#.to_vec(),
+                dedup_key: Some("charge-order-1".into()),
+                ..SendParams::default()
+            }],
+            ..pending("m")
+        };
+        assert!(64 * p.mutations() <= MAX_BATCH_MUTATIONS, "{}", p.mutations());
+        assert!(64 * p.bytes() <= MAX_BATCH_BYTES, "{}", p.bytes());
     }
 
     #[tokio::test]

@@ -333,6 +333,9 @@ mod batch {
         pub after_commit: f64,
         /// The batch is dropped, and every message sees an unknown outcome.
         pub before_commit: f64,
+        /// The batch is aborted past the client's own re-runs (Spanner's
+        /// ABORTED): nothing written, every message sees `Aborted`.
+        pub aborted: f64,
         pub seed: u64,
     }
 
@@ -343,6 +346,8 @@ mod batch {
         pub landed_messages: AtomicU64,
         pub dropped_batches: AtomicU64,
         pub dropped_messages: AtomicU64,
+        pub aborted_batches: AtomicU64,
+        pub aborted_messages: AtomicU64,
     }
 
     /// A batch committer injecting [`BatchFaults`].
@@ -384,6 +389,20 @@ mod batch {
             results
         }
 
+        /// Whether `roll` aborts the batch (drawn after the other faults).
+        fn aborts(&self, roll: f64) -> bool {
+            let from = self.plan.before_commit + self.plan.after_commit;
+            roll >= from && roll < from + self.plan.aborted
+        }
+
+        fn aborted(&self, n: usize) -> Vec<StoreResult<()>> {
+            self.counts.aborted_batches.fetch_add(1, Ordering::Relaxed);
+            self.counts.aborted_messages.fetch_add(n as u64, Ordering::Relaxed);
+            (0..n)
+                .map(|_| Err(StoreError::Aborted(format!("injected: a batch of {n} aborted"))))
+                .collect()
+        }
+
         fn dropped(&self, n: usize) -> Vec<StoreResult<()>> {
             self.counts.dropped_batches.fetch_add(1, Ordering::Relaxed);
             self.counts.dropped_messages.fetch_add(n as u64, Ordering::Relaxed);
@@ -400,6 +419,9 @@ mod batch {
             if roll < self.plan.before_commit {
                 return self.dropped(batch.len());
             }
+            if self.aborts(roll) {
+                return self.aborted(batch.len());
+            }
             let results = self.inner.commit_batch(batch).await;
             self.landed(roll, results)
         }
@@ -411,6 +433,9 @@ mod batch {
             let roll = self.roll();
             if roll < self.plan.before_commit {
                 return self.dropped(collect().len());
+            }
+            if self.aborts(roll) {
+                return self.aborted(collect().len());
             }
             let results = self.inner.commit_collected(collect).await;
             self.landed(roll, results)

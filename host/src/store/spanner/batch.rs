@@ -520,6 +520,30 @@ impl SpannerBatch {
     }
 }
 
+/// Spanner's limits on one commit: mutations and bytes.
+const COMMIT_MUTATIONS: usize = 80_000;
+const COMMIT_BYTES: usize = 100_000_000;
+
+/// Why Spanner could not commit `p` even alone, if it could not: its
+/// estimated mutations or bytes over a commit's limits. The message is
+/// charged a refused write (its effects must shrink), rather than sent to
+/// the database to be refused with a generic error after a round trip.
+pub(super) fn over_commit_limits(p: &commit::Pending) -> Option<String> {
+    let (mutations, bytes) = (p.mutations(), p.bytes());
+    if mutations > COMMIT_MUTATIONS {
+        Some(format!(
+            "the message's effects need about {mutations} mutations in one commit; Spanner commits at most {COMMIT_MUTATIONS} (emit fewer effects per message, or carry the rest in follow-up messages)"
+        ))
+    } else if bytes > COMMIT_BYTES {
+        Some(format!(
+            "the message's effects write about {} MB in one commit; Spanner commits at most 100 MB (emit fewer or smaller effects per message)",
+            bytes / 1_000_000
+        ))
+    } else {
+        None
+    }
+}
+
 #[async_trait]
 impl commit::BatchCommit for SpannerBatch {
     /// On the emulator, take the turn first and collect the batch then:
@@ -542,6 +566,13 @@ impl commit::BatchCommit for SpannerBatch {
 
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
+        if let [p] = &batch[..] {
+            // Alone (anything near the limits is), a message Spanner would
+            // refuse is refused here, in words, without a transaction.
+            if let Some(why) = over_commit_limits(p) {
+                return vec![Err(StoreError::WriteRefused(why))];
+            }
+        }
         let batch = Arc::new(batch);
         let lost = Arc::new(Mutex::new(Vec::new()));
         let e = match self.commit_all(batch.clone(), lost.clone()).await {
@@ -584,5 +615,36 @@ impl commit::BatchCommit for SpannerBatch {
             });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    /// 7,000 follow-ups (84,002 mutations) are over Spanner's 80,000 a
+    /// commit: refused in words naming the limit; 6,000 are not.
+    #[test]
+    fn a_message_over_a_commits_limits_is_refused_in_words() {
+        let with = |n| commit::Pending {
+            sends: vec![SendParams::default(); n],
+            ..commit::Pending::default()
+        };
+        let why = over_commit_limits(&with(7_000)).unwrap();
+        assert!(why.contains("84002 mutations") && why.contains("80000"), "{why}");
+        assert_eq!(over_commit_limits(&with(6_000)), None);
+        let bulky = commit::Pending {
+            sends: vec![
+                SendParams {
+                    payload: vec![0; 1 << 20],
+                    ..SendParams::default()
+                };
+                101
+            ],
+            ..commit::Pending::default()
+        };
+        let why = over_commit_limits(&bulky).unwrap();
+        assert!(why.contains("100 MB"), "{why}");
     }
 }
