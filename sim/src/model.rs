@@ -137,6 +137,18 @@ enum Turn {
     Commit(usize),
 }
 
+impl Turn {
+    fn host(self) -> usize {
+        match self {
+            Turn::Lease(h) | Turn::Commit(h) => h,
+        }
+    }
+}
+
+/// How often a host waiting for the emulator's turn polls the lock file
+/// another process holds (`POLL` in the host's `turns.rs`), ms.
+const TURN_POLL_MS: f64 = 2.0;
+
 #[derive(Debug, Clone)]
 struct Msg {
     account: usize,
@@ -326,12 +338,21 @@ impl Sim {
         if self.turn == Some(who) {
             self.turn = None;
             if let Some(ev) = self.turn_queue.pop_front() {
-                self.turn = match ev {
-                    Ev::LeaseStart { host, .. } => Some(Turn::Lease(host)),
-                    Ev::CommitStart { host } => Some(Turn::Commit(host)),
-                    _ => None, // only starts wait for the turn
+                let next = match ev {
+                    Ev::LeaseStart { host, .. } => Turn::Lease(host),
+                    Ev::CommitStart { host } => Turn::Commit(host),
+                    _ => return self.at(0, ev), // only starts wait for the turn
                 };
-                self.at(0, ev);
+                self.turn = Some(next);
+                // Within a process the turn passes at once (a semaphore);
+                // to another process through the lock file, which a
+                // waiting process polls every 0-2 ms (`turns.rs`).
+                let handoff = if next.host() == who.host() {
+                    0
+                } else {
+                    self.rng.random_range(0..us(TURN_POLL_MS))
+                };
+                self.at(handoff, ev);
             }
         }
     }
