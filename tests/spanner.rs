@@ -602,6 +602,68 @@ async fn spanner_a_bad_insert_fails_only_its_own_message() {
     }
 }
 
+/// A message the database refused (a duplicate key) is remembered: when
+/// it runs again it commits alone, instead of failing another batch that
+/// must then commit one message at a time (holding the emulator's turn
+/// meanwhile). Eight bad messages of 48, ten attempts each, batches
+/// gathered for 300 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_a_refused_message_commits_alone_when_it_runs_again() {
+    use onceq::protocol::{HandleOutput, NativeHandler};
+    use onceq::value::{Effect, RowWrite, Value, WriteOp};
+    let (store, _) = spanner_db("CREATE TABLE good (id STRING(MAX) NOT NULL) PRIMARY KEY (id);", batched()).await;
+    store
+        .message_send(vec![onceq::store::SendParams {
+            queue: "seed".into(),
+            payload: b"taken".to_vec(),
+            ..Default::default()
+        }])
+        .await
+        .unwrap();
+    let inserter = Arc::new(NativeHandler::new("inserter", |m, scope| async move {
+        let id = String::from_utf8_lossy(&m.payload).into_owned();
+        let id = if id.starts_with("bad-") { "taken".to_string() } else { id };
+        let write = Effect::Write(RowWrite {
+            table: "good".into(),
+            op: WriteOp::Insert,
+            columns: vec![("id".into(), Value::String(id))],
+        });
+        HandleOutput {
+            scope,
+            result: Ok(vec![write]),
+        }
+    }));
+    // The key every bad message inserts, there first.
+    let seed = runner(&store, "seed", inserter.clone(), grants(&["good"], &[], &[]), policy(1, 1));
+    drain(&store, std::slice::from_ref(&seed)).await;
+    let sends: Vec<onceq::store::SendParams> = (0..48)
+        .map(|i| onceq::store::SendParams {
+            queue: "q".into(),
+            payload: if i % 6 == 5 { format!("bad-{i}") } else { format!("good-{i}") }.into_bytes(),
+            ..Default::default()
+        })
+        .collect();
+    store.message_send(sends).await.unwrap();
+    let r = runner(&store, "q", inserter, grants(&["good"], &[], &[]), policy(4, 10));
+    drain_within(&store, std::slice::from_ref(&r), std::time::Duration::from_secs(240)).await;
+    let rows = store.table_rows("good").await.unwrap();
+    assert_eq!(rows.len(), 41, "the 40 good messages and the seed, each once");
+    let dead = store.dead_letter_list(onceq::store::Queues::Named("q"), 100).await.unwrap();
+    assert_eq!(dead.len(), 8, "only the bad messages dead-lettered");
+    for d in &dead {
+        assert!(d.payload_text.starts_with("bad-"), "a good message was dead-lettered: {}", d.reason);
+        assert!(d.reason.contains("write refused by the database"), "{}", d.reason);
+        assert_eq!(d.failures, 10, "{}", d.reason);
+    }
+    // A bad message's first run fails its batch (which then commits its
+    // messages one by one): at most eight splits. Their nine re-runs each
+    // commit alone, where each one failed another batch before (about 20
+    // splits).
+    let splits = store.commit_stats().unwrap().split_batches;
+    eprintln!("{splits} batches split");
+    assert!(splits <= 8, "{splits} batches split: re-runs of refused messages joined batches");
+}
+
 /// Two hosts leasing from one shard at the same moment read the same
 /// oldest rows. The one whose lease transaction comes second finds them
 /// taken; before, it answered "nothing ready" and its workers backed off

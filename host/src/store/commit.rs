@@ -368,6 +368,9 @@ pub struct CommitStats {
     pub batches: u64,
     /// Messages committed in them.
     pub messages: u64,
+    /// Batches that failed as a whole and were committed one message at a
+    /// time (Spanner: a write the database refused fails the whole commit).
+    pub split_batches: u64,
     /// What `CommitOptions::faults` injected.
     #[cfg(feature = "fault-injection")]
     pub faults: Arc<super::faulty::BatchFaultCounts>,
@@ -520,6 +523,7 @@ impl Group {
         CommitStats {
             batches: self.batches.load(std::sync::atomic::Ordering::Relaxed),
             messages: self.messages.load(std::sync::atomic::Ordering::Relaxed),
+            split_batches: 0,
             #[cfg(feature = "fault-injection")]
             faults: self.faults.clone(),
         }

@@ -286,6 +286,7 @@ impl SpannerStore {
         };
         let schema = Arc::new(schema);
         let shards = opts.shards.max(1);
+        let splits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let batch = SpannerBatch {
             pool: pool.clone(),
             schema: schema.clone(),
@@ -293,6 +294,8 @@ impl SpannerStore {
             window: options.dedup_window,
             counts,
             count_rows: options.spanner_count_rows,
+            suspects: Mutex::new(Default::default()),
+            splits: splits.clone(),
         };
         Ok(SpannerStore {
             pool,
@@ -303,6 +306,7 @@ impl SpannerStore {
             counts,
             ttl,
             instance: random_id(),
+            splits,
         })
     }
 

@@ -4,6 +4,8 @@
 //! written as mutations at the commit.
 
 use super::*;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
 
 /// What a transaction of the commit path read before deciding its
 /// messages ([`read_ahead`]): a few statements whatever the batch's size,
@@ -470,7 +472,17 @@ pub(super) struct SpannerBatch {
     pub(super) counts: bool,
     /// Its rows per queue (`StoreOptions::spanner_count_rows`).
     pub(super) count_rows: u32,
+    /// Messages whose writes the database refused when committed alone:
+    /// when they run again they commit alone, rather than fail another
+    /// batch and make it commit one message at a time (most recent last,
+    /// at most [`SUSPECTS`]).
+    pub(super) suspects: Mutex<VecDeque<String>>,
+    /// Batches that failed as a whole and were committed one by one.
+    pub(super) splits: Arc<AtomicU64>,
 }
+
+/// Most suspects remembered (a message is dead-lettered after a few).
+const SUSPECTS: usize = 4_096;
 
 impl SpannerBatch {
     /// The batch in one transaction. `lost` is told which messages the
@@ -564,7 +576,56 @@ impl commit::BatchCommit for SpannerBatch {
         None
     }
 
+    /// The batch, less its suspects (each of those alone: a message the
+    /// database refused once is likely refused again, and in a batch it
+    /// fails everybody's commit).
     async fn commit_batch(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
+        let suspect: Vec<bool> = batch.iter().map(|p| self.is_suspect(p)).collect();
+        if batch.len() < 2 || !suspect.contains(&true) {
+            return self.commit_together(batch).await;
+        }
+        let mut out: Vec<Option<StoreResult<()>>> = vec![None; batch.len()];
+        let (mut rest, mut rest_at) = (Vec::new(), Vec::new());
+        for (i, (p, s)) in batch.into_iter().zip(suspect).enumerate() {
+            if s {
+                out[i] = self.commit_together(vec![p]).await.pop();
+            } else {
+                rest.push(p);
+                rest_at.push(i);
+            }
+        }
+        if !rest.is_empty() {
+            for (i, r) in rest_at.into_iter().zip(self.commit_together(rest).await) {
+                out[i] = Some(r);
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(StoreError::Permanent("a message of the batch got no result".into()))))
+            .collect()
+    }
+}
+
+impl SpannerBatch {
+    fn is_suspect(&self, p: &commit::Pending) -> bool {
+        let Some(lease) = &p.ack else { return false };
+        self.suspects.lock().map(|s| s.contains(&lease.message_id)).unwrap_or(false)
+    }
+
+    /// Remember (`refused`) or forget `p` as a suspect.
+    fn suspect(&self, p: &commit::Pending, refused: bool) {
+        let (Some(lease), Ok(mut s)) = (&p.ack, self.suspects.lock()) else {
+            return;
+        };
+        s.retain(|id| id != &lease.message_id);
+        if refused {
+            if s.len() >= SUSPECTS {
+                s.pop_front();
+            }
+            s.push_back(lease.message_id.clone());
+        }
+    }
+
+    async fn commit_together(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         if let [p] = &batch[..] {
             // Alone (anything near the limits is), a message Spanner would
@@ -576,7 +637,12 @@ impl commit::BatchCommit for SpannerBatch {
         let batch = Arc::new(batch);
         let lost = Arc::new(Mutex::new(Vec::new()));
         let e = match self.commit_all(batch.clone(), lost.clone()).await {
-            Ok(results) => return results,
+            Ok(results) => {
+                if n == 1 {
+                    self.suspect(&batch[0], matches!(results[0], Err(StoreError::WriteRefused(_))));
+                }
+                return results;
+            }
             Err(e) => e,
         };
         // A message decided as lease-lost stays lost whatever became of
@@ -589,6 +655,7 @@ impl commit::BatchCommit for SpannerBatch {
             _ => e.clone(),
         };
         if n == 1 {
+            self.suspect(&batch[0], matches!(e, StoreError::WriteRefused(_)));
             let r = match &batch[0].ack {
                 Some(lease) => lease_error(e, lease),
                 None => e,
@@ -599,6 +666,7 @@ impl commit::BatchCommit for SpannerBatch {
             return (0..n).map(|i| Err(lost_or(i, &e))).collect();
         }
         tracing::debug!("a batch of {n} failed ({e}); committing its messages one by one");
+        self.splits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut out = Vec::with_capacity(n);
         for (i, p) in batch.iter().enumerate() {
             if lost.get(i).copied().unwrap_or(false) {
@@ -606,13 +674,15 @@ impl commit::BatchCommit for SpannerBatch {
                 continue;
             }
             let one = Arc::new(vec![p.clone()]);
-            out.push(match self.commit_all(one, Arc::new(Mutex::new(Vec::new()))).await {
+            let r = match self.commit_all(one, Arc::new(Mutex::new(Vec::new()))).await {
                 Ok(mut r) => r.pop().unwrap_or(Ok(())),
                 Err(e) => Err(match &p.ack {
                     Some(lease) => lease_error(e, lease),
                     None => e,
                 }),
-            });
+            };
+            self.suspect(p, matches!(r, Err(StoreError::WriteRefused(_))));
+            out.push(r);
         }
         out
     }

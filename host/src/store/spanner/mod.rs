@@ -109,6 +109,8 @@ pub struct SpannerStore {
     ttl: bool,
     /// This store instance, as the holder of a chore's turn.
     instance: String,
+    /// Batches that failed as a whole and were committed one by one.
+    splits: Arc<std::sync::atomic::AtomicU64>,
 }
 
 fn shard_of(id: &str, shards: u32) -> i64 {

@@ -218,7 +218,9 @@ impl Store for SpannerStore {
     }
 
     fn commit_stats(&self) -> Option<commit::CommitStats> {
-        Some(self.group.stats())
+        let mut stats = self.group.stats();
+        stats.split_batches = self.splits.load(std::sync::atomic::Ordering::Relaxed);
+        Some(stats)
     }
 
     fn schema(&self) -> Arc<Schema> {
