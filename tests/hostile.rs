@@ -837,6 +837,47 @@ async fn the_cli_refuses_bad_names_and_delays_and_never_prints_a_handlers_escape
     assert_eq!(shown.lines().count(), 1, "one dead letter, one line");
 }
 
+/// A binary payload keeps its bytes in the JSON views (`payload_base64`,
+/// where `payload_text` is lossy), a 100 KB attribute is cut in the text
+/// view (whole in `--json`), and a format character in an attribute is
+/// shown escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_payloads_keep_their_bytes_in_json_and_long_values_are_cut_in_text() {
+    use base64::Engine;
+    let host = project("");
+    host.ok(&["init"]).await;
+    let bytes: Vec<u8> = vec![0xff, 0x00, 0xfe, b'o', b'k', 0x80];
+    std::fs::write(host.dir.path().join("bin"), &bytes).unwrap();
+    let long = "v".repeat(100_000);
+    host.ok(&[
+        "send",
+        "parked",
+        "--file",
+        "bin",
+        "-a",
+        &format!("big={long}"),
+        "-a",
+        "hidden=a\u{2063}b",
+    ])
+    .await;
+    let json: serde_json::Value = serde_json::from_str(&host.ok(&["peek", "parked", "--json"]).await).unwrap();
+    let m = &json[0];
+    assert_eq!(
+        m["payload_base64"],
+        base64::engine::general_purpose::STANDARD.encode(&bytes),
+        "{m:.300}"
+    );
+    assert!(m["attributes"].to_string().contains(&long), "--json has the whole value");
+    let text = host.ok(&["peek", "parked"]).await;
+    assert!(text.len() < 2_000, "{} bytes of text for one message", text.len());
+    assert!(text.contains("(cut: 100000 bytes in all)"), "{text}");
+    assert!(text.contains("a\\u{2063}b"), "the invisible separator is shown escaped: {text}");
+    host.ok(&["send", "parked", "--payload", "{\"x\": 1}"]).await;
+    let json: serde_json::Value = serde_json::from_str(&host.ok(&["peek", "parked", "--json"]).await).unwrap();
+    let utf8 = json.as_array().unwrap().iter().find(|m| m["payload_text"] == "{\"x\": 1}").unwrap();
+    assert!(utf8.get("payload_base64").is_none(), "a UTF-8 payload needs no base64: {utf8}");
+}
+
 #[test]
 fn onceq_check_notes_stubbed_capabilities_and_the_missing_network() {
     let dir = tempfile::tempdir().unwrap();

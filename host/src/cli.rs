@@ -826,6 +826,10 @@ async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Most bytes of one payload or attribute value the text views print
+/// (`--json` has them whole).
+const MAX_SHOWN: usize = 300;
+
 /// `onceq peek`.
 async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Result<ExitCode> {
     let store = app::open_store(cfg).await?;
@@ -867,12 +871,12 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
             m.deliveries,
             crate::names::time(m.enqueued_at)
         );
-        println!("    payload: {}", crate::names::truncated(&printable(&m.payload_text), 300));
+        println!("    payload: {}", crate::names::truncated(&printable(&m.payload_text), MAX_SHOWN));
         if !m.attributes.is_empty() {
             let attrs: Vec<String> = m
                 .attributes
                 .iter()
-                .map(|(k, v)| format!("{}={}", printable(k), printable(v)))
+                .map(|(k, v)| format!("{}={}", printable(k), crate::names::truncated(&printable(v), MAX_SHOWN)))
                 .collect();
             println!("    attributes: {}", attrs.join(" "));
         }

@@ -184,33 +184,27 @@ pub fn printable(text: &str) -> String {
     out
 }
 
-/// Control characters, and the characters that are invisible or move
-/// text without being control characters: zero-width and joiners, bidi
-/// marks, embeddings, overrides and isolates (U+061C, U+200B-U+200F,
-/// U+202A-U+202E, U+2066-U+2069), line and paragraph separators, the
-/// byte-order mark, invisible operators (U+2060-U+2064), the soft hyphen,
-/// fillers (U+115F, U+1160, U+3164, U+FFA0), U+180E, interlinear
-/// annotations (U+FFF9-U+FFFB) and tag characters (U+E0000-U+E007F).
+/// What a terminal must not get raw, by Unicode's general category (the
+/// `unicode-properties` crate's tables, not a hand list): controls (Cc),
+/// format characters (Cf: zero-width characters and joiners, bidi marks,
+/// embeddings, overrides and isolates, the byte-order mark, invisible
+/// operators, the soft hyphen, interlinear annotations, tag characters),
+/// line and paragraph separators (Zl, Zp), private use (Co) and
+/// unassigned code points (Cn, which a newer terminal may draw as
+/// anything); and the default-ignorable code points of other categories
+/// that render as nothing: the combining grapheme joiner U+034F, the
+/// Hangul fillers U+115F, U+1160, U+3164, U+FFA0, and the Mongolian
+/// variation selectors. (Emoji variation selectors stay: they only pick
+/// a glyph's style, and emoji use them everywhere.)
 fn needs_escape(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{00ad}'
-                | '\u{034f}'
-                | '\u{061c}'
-                | '\u{115f}'
-                | '\u{1160}'
-                | '\u{180e}'
-                | '\u{200b}'..='\u{200f}'
-                | '\u{2028}'..='\u{202e}'
-                | '\u{2060}'..='\u{2064}'
-                | '\u{2066}'..='\u{2069}'
-                | '\u{3164}'
-                | '\u{feff}'
-                | '\u{ffa0}'
-                | '\u{fff9}'..='\u{fffb}'
-                | '\u{e0000}'..='\u{e007f}'
-        )
+    use unicode_properties::{GeneralCategory as G, UnicodeGeneralCategory};
+    matches!(
+        c.general_category(),
+        G::Control | G::Format | G::LineSeparator | G::ParagraphSeparator | G::PrivateUse | G::Unassigned | G::Surrogate
+    ) || matches!(
+        c,
+        '\u{034f}' | '\u{115f}' | '\u{1160}' | '\u{3164}' | '\u{ffa0}' | '\u{180b}'..='\u{180f}'
+    )
 }
 
 /// `text` cut to at most `max` bytes (on a character boundary), saying how
@@ -390,5 +384,29 @@ mod tests {
             assert!(shown.starts_with('a') && shown.ends_with('b'), "{shown:?}");
         }
         assert_eq!(printable("plain ümlaut ok"), "plain ümlaut ok", "ordinary text unchanged");
+    }
+
+    /// By category, not by list: every format character, separator,
+    /// private-use and unassigned code point in the Basic Multilingual
+    /// Plane and the tags block is escaped; letters of every script,
+    /// marks and emoji (with their variation selector) are left alone.
+    #[test]
+    fn every_invisible_or_unassigned_code_point_is_escaped_and_text_is_not() {
+        use unicode_properties::{GeneralCategory as G, UnicodeGeneralCategory};
+        let hidden = |c: char| {
+            matches!(
+                c.general_category(),
+                G::Format | G::LineSeparator | G::ParagraphSeparator | G::PrivateUse | G::Unassigned
+            )
+        };
+        let mut checked = 0;
+        for c in ('\u{80}'..='\u{ffff}').chain('\u{e0000}'..='\u{e007f}').filter(|&c| hidden(c)) {
+            assert!(!printable(&c.to_string()).contains(c), "U+{:04X} left raw", c as u32);
+            checked += 1;
+        }
+        assert!(checked > 7_000, "{checked} code points");
+        for text in ["Grüße, Ελλάδα, Россия, עברית, العربية, 日本語, 한국어", "e\u{301} ❤\u{fe0f} 👍"] {
+            assert_eq!(printable(text), text);
+        }
     }
 }

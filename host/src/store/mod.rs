@@ -242,12 +242,23 @@ impl Queues<'_> {
     }
 }
 
+fn is_utf8(bytes: &[u8]) -> bool {
+    std::str::from_utf8(bytes).is_ok()
+}
+
+fn base64_bytes<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    use base64::Engine;
+    s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
 /// A message waiting on its queue (or leased), as listed by tools.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct QueuedMessage {
     pub id: String,
     pub queue: String,
-    #[serde(skip)]
+    /// The exact bytes, as `payload_base64` in JSON when they are not
+    /// UTF-8 (`payload_text` is then lossy: U+FFFD for each bad byte).
+    #[serde(rename = "payload_base64", serialize_with = "base64_bytes", skip_serializing_if = "is_utf8")]
     pub payload: Vec<u8>,
     pub payload_text: String,
     pub attributes: Vec<(String, String)>,
@@ -269,7 +280,9 @@ pub struct QueuedMessage {
 pub struct DeadLetter {
     pub id: String,
     pub queue: String,
-    #[serde(skip)]
+    /// The exact bytes, as `payload_base64` in JSON when they are not
+    /// UTF-8 (`payload_text` is then lossy: U+FFFD for each bad byte).
+    #[serde(rename = "payload_base64", serialize_with = "base64_bytes", skip_serializing_if = "is_utf8")]
     pub payload: Vec<u8>,
     pub payload_text: String,
     pub attributes: Vec<(String, String)>,
