@@ -122,6 +122,7 @@ async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
                     after_commit: 0.2,
                     before_commit: 0.2,
                     aborted: 0.0,
+                    refused: 0.0,
                     seed: 4,
                 }),
             },

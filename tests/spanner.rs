@@ -366,6 +366,7 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
                     after_commit: 0.3,
                     before_commit: 0.3,
                     aborted: 0.0,
+                    refused: 0.0,
                     seed: 9,
                 }),
             },
@@ -484,29 +485,19 @@ async fn spanner_three_hosts_drain_one_queue_exactly_once() {
     );
 }
 
-/// Batch commits aborted past the client's own re-runs (Spanner's
-/// ABORTED, half of them here): nothing of an aborted batch is written,
-/// each of its messages runs again without being charged, and every order
-/// is applied once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spanner_aborted_batch_commits_apply_each_order_once_and_charge_nothing() {
+/// `n` payments orders on a fresh database, seeded without faults, and a
+/// store on it that injects `faults` in its batch commits.
+async fn payments_under_batch_faults(n: usize, faults: onceq::store::faulty::BatchFaults) -> Arc<dyn Store> {
     use onceq::store::commit::CommitOptions;
-    use onceq::store::faulty::BatchFaults;
     use onceq::store::spanner::{SpannerOptions, SpannerStore};
-    // Seeded without faults; run by a store that aborts half its batches.
     let (seeder, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
-    let n = 120;
     seed_accounts(seeder.as_ref(), ACCOUNTS, BALANCE).await;
     send_orders(seeder.as_ref(), n, ACCOUNTS).await;
     let options = StoreOptions {
         commit: CommitOptions {
             max_batch: 64,
             max_wait: Duration::from_millis(20),
-            faults: Some(BatchFaults {
-                aborted: 0.5,
-                seed: 5,
-                ..BatchFaults::default()
-            }),
+            faults: Some(faults),
         },
         ..StoreOptions::default()
     };
@@ -517,18 +508,58 @@ async fn spanner_aborted_batch_commits_apply_each_order_once_and_charge_nothing(
         exclusive: None,
         call_timeout: Duration::from_secs(10),
     };
-    let store: Arc<dyn Store> = Arc::new(SpannerStore::open(&opts, &options).await.unwrap());
+    Arc::new(SpannerStore::open(&opts, &options).await.unwrap())
+}
+
+/// Drain `store`'s payments: every order applied once, none charged.
+async fn payments_applied_once_and_nothing_charged(store: &Arc<dyn Store>, n: usize) {
     let rt = runtime();
-    let r = payments_runner(&store, &rt, policy(1, 50));
-    drain(&store, std::slice::from_ref(&r)).await;
+    let r = payments_runner(store, &rt, policy(1, 50));
+    drain(store, std::slice::from_ref(&r)).await;
     check_payments_exactly_once(store.as_ref(), n, ACCOUNTS, BALANCE).await;
+    assert_eq!(r.metrics.acked(), n as u64);
+    let dead = store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
+    assert!(dead.is_empty(), "a fault charged a message: {dead:?}");
+}
+
+/// Batch commits aborted past the client's own re-runs (Spanner's
+/// ABORTED, half of them here): nothing of an aborted batch is written,
+/// each of its messages runs again without being charged, and every order
+/// is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_aborted_batch_commits_apply_each_order_once_and_charge_nothing() {
+    use onceq::store::faulty::BatchFaults;
+    let n = 120;
+    let faults = BatchFaults {
+        aborted: 0.5,
+        seed: 5,
+        ..BatchFaults::default()
+    };
+    let store = payments_under_batch_faults(n, faults).await;
+    payments_applied_once_and_nothing_charged(&store, n).await;
     let f = &store.commit_stats().unwrap().faults;
     let aborted = f.aborted_messages.load(Relaxed);
     eprintln!("aborted {} batches ({aborted} messages)", f.aborted_batches.load(Relaxed));
     assert!(aborted >= 10, "aborts injected: {aborted}");
-    assert_eq!(r.metrics.acked(), n as u64);
-    let dead = store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
-    assert!(dead.is_empty(), "an abort charged a message: {dead:?}");
+}
+
+/// Batches refused as a whole (Spanner's INVALID_ARGUMENT, drawn by the
+/// store for half of its batches of several): each is committed again one
+/// message at a time, every order is applied once, and nothing is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_batches_refused_as_a_whole_split_and_charge_nothing() {
+    use onceq::store::faulty::BatchFaults;
+    let n = 120;
+    let faults = BatchFaults {
+        refused: 0.5,
+        seed: 3,
+        ..BatchFaults::default()
+    };
+    let store = payments_under_batch_faults(n, faults).await;
+    payments_applied_once_and_nothing_charged(&store, n).await;
+    let splits = store.commit_stats().unwrap().split_batches;
+    eprintln!("{splits} batches refused and split");
+    assert!(splits >= 2, "refusals injected: {splits}");
 }
 
 /// Commits grouped: a batch waits 300 ms for more, so messages committed
@@ -544,19 +575,15 @@ fn batched() -> StoreOptions {
     }
 }
 
-/// A message that inserts a key that exists fails the whole batch's commit
-/// (a mutation that cannot apply fails them all). Its neighbours must not
-/// pay for it: the batch is committed again message by message, the good
-/// ones commit, and only the bad one is charged, with its own reason.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spanner_a_bad_insert_fails_only_its_own_message() {
+/// 48 messages each inserting a row, every sixth a key that exists
+/// (`bad-*`), through a store with `options`, each message tried up to
+/// `attempts` times: the 40 good rows (and the seed's) each once, only the
+/// 8 bad messages dead-lettered, each charged `attempts` refused writes.
+/// The store, for what the caller checks besides.
+async fn bad_inserts_fail_alone(options: StoreOptions, attempts: u32) -> Arc<dyn Store> {
     use onceq::protocol::{HandleOutput, NativeHandler};
     use onceq::value::{Effect, RowWrite, Value, WriteOp};
-    let (store, _) = spanner_db(
-        "CREATE TABLE good (id STRING(MAX) NOT NULL) PRIMARY KEY (id);",
-        StoreOptions::default(),
-    )
-    .await;
+    let (store, _) = spanner_db("CREATE TABLE good (id STRING(MAX) NOT NULL) PRIMARY KEY (id);", options).await;
     store
         .message_send(vec![onceq::store::SendParams {
             queue: "seed".into(),
@@ -589,7 +616,7 @@ async fn spanner_a_bad_insert_fails_only_its_own_message() {
         })
         .collect();
     store.message_send(sends).await.unwrap();
-    let r = runner(&store, "q", inserter, grants(&["good"], &[], &[]), policy(4, 2));
+    let r = runner(&store, "q", inserter, grants(&["good"], &[], &[]), policy(4, attempts));
     drain_within(&store, std::slice::from_ref(&r), std::time::Duration::from_secs(240)).await;
     let rows = store.table_rows("good").await.unwrap();
     assert_eq!(rows.len(), 41, "the 40 good messages and the seed, each once");
@@ -598,8 +625,18 @@ async fn spanner_a_bad_insert_fails_only_its_own_message() {
     for d in &dead {
         assert!(d.payload_text.starts_with("bad-"), "a good message was dead-lettered: {}", d.reason);
         assert!(d.reason.contains("write refused by the database"), "{}", d.reason);
-        assert_eq!(d.failures, 2, "{}", d.reason);
+        assert_eq!(d.failures, attempts, "{}", d.reason);
     }
+    store
+}
+
+/// A message that inserts a key that exists fails the whole batch's commit
+/// (a mutation that cannot apply fails them all). Its neighbours must not
+/// pay for it: the batch is committed again message by message, the good
+/// ones commit, and only the bad one is charged, with its own reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_a_bad_insert_fails_only_its_own_message() {
+    bad_inserts_fail_alone(StoreOptions::default(), 2).await;
 }
 
 /// A message the database refused (a duplicate key) is remembered: when
@@ -609,52 +646,7 @@ async fn spanner_a_bad_insert_fails_only_its_own_message() {
 /// gathered for 300 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_a_refused_message_commits_alone_when_it_runs_again() {
-    use onceq::protocol::{HandleOutput, NativeHandler};
-    use onceq::value::{Effect, RowWrite, Value, WriteOp};
-    let (store, _) = spanner_db("CREATE TABLE good (id STRING(MAX) NOT NULL) PRIMARY KEY (id);", batched()).await;
-    store
-        .message_send(vec![onceq::store::SendParams {
-            queue: "seed".into(),
-            payload: b"taken".to_vec(),
-            ..Default::default()
-        }])
-        .await
-        .unwrap();
-    let inserter = Arc::new(NativeHandler::new("inserter", |m, scope| async move {
-        let id = String::from_utf8_lossy(&m.payload).into_owned();
-        let id = if id.starts_with("bad-") { "taken".to_string() } else { id };
-        let write = Effect::Write(RowWrite {
-            table: "good".into(),
-            op: WriteOp::Insert,
-            columns: vec![("id".into(), Value::String(id))],
-        });
-        HandleOutput {
-            scope,
-            result: Ok(vec![write]),
-        }
-    }));
-    // The key every bad message inserts, there first.
-    let seed = runner(&store, "seed", inserter.clone(), grants(&["good"], &[], &[]), policy(1, 1));
-    drain(&store, std::slice::from_ref(&seed)).await;
-    let sends: Vec<onceq::store::SendParams> = (0..48)
-        .map(|i| onceq::store::SendParams {
-            queue: "q".into(),
-            payload: if i % 6 == 5 { format!("bad-{i}") } else { format!("good-{i}") }.into_bytes(),
-            ..Default::default()
-        })
-        .collect();
-    store.message_send(sends).await.unwrap();
-    let r = runner(&store, "q", inserter, grants(&["good"], &[], &[]), policy(4, 10));
-    drain_within(&store, std::slice::from_ref(&r), std::time::Duration::from_secs(240)).await;
-    let rows = store.table_rows("good").await.unwrap();
-    assert_eq!(rows.len(), 41, "the 40 good messages and the seed, each once");
-    let dead = store.dead_letter_list(onceq::store::Queues::Named("q"), 100).await.unwrap();
-    assert_eq!(dead.len(), 8, "only the bad messages dead-lettered");
-    for d in &dead {
-        assert!(d.payload_text.starts_with("bad-"), "a good message was dead-lettered: {}", d.reason);
-        assert!(d.reason.contains("write refused by the database"), "{}", d.reason);
-        assert_eq!(d.failures, 10, "{}", d.reason);
-    }
+    let store = bad_inserts_fail_alone(batched(), 10).await;
     // A bad message's first run fails its batch (which then commits its
     // messages one by one): at most eight splits. Their nine re-runs each
     // commit alone, where each one failed another batch before (about 20

@@ -336,6 +336,11 @@ mod batch {
         /// The batch is aborted past the client's own re-runs (Spanner's
         /// ABORTED): nothing written, every message sees `Aborted`.
         pub aborted: f64,
+        /// A batch of several is refused as a whole (Spanner's
+        /// INVALID_ARGUMENT, as when one mutation cannot apply), drawn by
+        /// the store itself, which then commits its messages one at a time
+        /// (`CommitStats::split_batches`). Only the Spanner store draws it.
+        pub refused: f64,
         pub seed: u64,
     }
 

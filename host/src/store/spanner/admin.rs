@@ -296,6 +296,11 @@ impl SpannerStore {
             count_rows: options.spanner_count_rows,
             suspects: Mutex::new(Default::default()),
             splits: splits.clone(),
+            #[cfg(feature = "fault-injection")]
+            refuse: options.commit.faults.filter(|f| f.refused > 0.0).map(|f| {
+                use rand::SeedableRng;
+                (f.refused, Mutex::new(rand::rngs::StdRng::seed_from_u64(f.seed)))
+            }),
         };
         Ok(SpannerStore {
             pool,

@@ -479,6 +479,10 @@ pub(super) struct SpannerBatch {
     pub(super) suspects: Mutex<VecDeque<String>>,
     /// Batches that failed as a whole and were committed one by one.
     pub(super) splits: Arc<AtomicU64>,
+    /// `BatchFaults::refused`: how often a batch of several is refused as
+    /// a whole, and the draws.
+    #[cfg(feature = "fault-injection")]
+    pub(super) refuse: Option<(f64, Mutex<rand::rngs::StdRng>)>,
 }
 
 /// Most suspects remembered (a message is dead-lettered after a few).
@@ -606,6 +610,19 @@ impl commit::BatchCommit for SpannerBatch {
 }
 
 impl SpannerBatch {
+    /// `BatchFaults::refused`, drawn for a batch of `n` (never one alone).
+    fn injected_refusal(&self, n: usize) -> Option<StoreError> {
+        #[cfg(feature = "fault-injection")]
+        if let Some((p, rng)) = &self.refuse {
+            use rand::RngExt;
+            if n > 1 && rng.lock().is_ok_and(|mut r| r.random::<f64>() < *p) {
+                return Some(StoreError::WriteRefused(format!("injected: a batch of {n} refused as a whole")));
+            }
+        }
+        let _ = n;
+        None
+    }
+
     fn is_suspect(&self, p: &commit::Pending) -> bool {
         let Some(lease) = &p.ack else { return false };
         self.suspects.lock().map(|s| s.contains(&lease.message_id)).unwrap_or(false)
@@ -636,14 +653,17 @@ impl SpannerBatch {
         }
         let batch = Arc::new(batch);
         let lost = Arc::new(Mutex::new(Vec::new()));
-        let e = match self.commit_all(batch.clone(), lost.clone()).await {
-            Ok(results) => {
-                if n == 1 {
-                    self.suspect(&batch[0], matches!(results[0], Err(StoreError::WriteRefused(_))));
+        let e = match self.injected_refusal(n) {
+            Some(e) => e,
+            None => match self.commit_all(batch.clone(), lost.clone()).await {
+                Ok(results) => {
+                    if n == 1 {
+                        self.suspect(&batch[0], matches!(results[0], Err(StoreError::WriteRefused(_))));
+                    }
+                    return results;
                 }
-                return results;
-            }
-            Err(e) => e,
+                Err(e) => e,
+            },
         };
         // A message decided as lease-lost stays lost whatever became of
         // the batch: it hears that, not the batch's error.
