@@ -315,46 +315,47 @@ impl SpannerStore {
         })
     }
 
-    /// Whether `onceq_dedup` has a row deletion policy.
-    pub(super) async fn dedup_ttl(pool: &Arc<Pool>) -> StoreResult<bool> {
+    /// The rows of a query of the database's INFORMATION_SCHEMA.
+    async fn schema_rows(pool: &Arc<Pool>, sql: &'static str) -> StoreResult<Vec<google_cloud_spanner::result::Row>> {
         let c = pool.get().await?;
         let mut rs = c
             .single_use()
             .build()
-            .execute_query(
-                Statement::builder(
-                    "SELECT ROW_DELETION_POLICY_EXPRESSION FROM INFORMATION_SCHEMA.TABLES
-                     WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
-                )
-                .build(),
-            )
+            .execute_query(Statement::builder(sql).build())
             .await
             .map_err(classify)?;
-        let mut ttl = false;
+        let mut rows = Vec::new();
         while let Some(r) = rs.next().await {
-            ttl |= r.map_err(classify)?.get::<Option<String>>(0).map_err(classify)?.is_some();
+            rows.push(r.map_err(classify)?);
+        }
+        Ok(rows)
+    }
+
+    /// Whether `onceq_dedup` has a row deletion policy.
+    pub(super) async fn dedup_ttl(pool: &Arc<Pool>) -> StoreResult<bool> {
+        let rows = Self::schema_rows(
+            pool,
+            "SELECT ROW_DELETION_POLICY_EXPRESSION FROM INFORMATION_SCHEMA.TABLES
+             WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
+        )
+        .await?;
+        let mut ttl = false;
+        for r in rows {
+            ttl |= r.get::<Option<String>>(0).map_err(classify)?.is_some();
         }
         Ok(ttl)
     }
 
     /// onceq's own tables and their columns, as (table, column).
     pub(super) async fn system_columns(pool: &Arc<Pool>) -> StoreResult<BTreeSet<(String, String)>> {
-        let c = pool.get().await?;
-        let mut rs = c
-            .single_use()
-            .build()
-            .execute_query(
-                Statement::builder(
-                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.COLUMNS
-                     WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_')",
-                )
-                .build(),
-            )
-            .await
-            .map_err(classify)?;
+        let rows = Self::schema_rows(
+            pool,
+            "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.COLUMNS
+             WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_')",
+        )
+        .await?;
         let mut out = BTreeSet::new();
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
+        for r in rows {
             out.insert((r.get::<String>(0).map_err(classify)?, r.get::<String>(1).map_err(classify)?));
         }
         Ok(out)
