@@ -656,6 +656,33 @@ async fn spanner_a_refused_message_commits_alone_when_it_runs_again() {
     assert!(splits <= 8, "{splits} batches split: re-runs of refused messages joined batches");
 }
 
+/// The shard count is the database's, fixed by the first host: a host
+/// configured with another count uses the database's, so every message
+/// sent by one host is leased by another (with its own count, a host
+/// with 1 shard would never see what a host with 4 sent to shards 1-3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_a_host_configured_with_other_shards_still_sees_every_message() {
+    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    let (four, database) = spanner_db("", StoreOptions::default()).await;
+    four.message_send((0..40).map(|i| suite::send("q", &format!("{i}"))).collect())
+        .await
+        .unwrap();
+    let one = SpannerStore::open(
+        &SpannerOptions {
+            database,
+            shards: 1,
+            clients: 2,
+            exclusive: None,
+            call_timeout: Duration::from_secs(10),
+        },
+        &StoreOptions::default(),
+    )
+    .await
+    .unwrap();
+    let got = suite::lease(&one, "q", 100, 60_000).await;
+    assert_eq!(got.len(), 40, "the messages on every shard are leased");
+}
+
 /// Two hosts leasing from one shard at the same moment read the same
 /// oldest rows. The one whose lease transaction comes second finds them
 /// taken; before, it answered "nothing ready" and its workers backed off
@@ -665,9 +692,13 @@ async fn spanner_a_refused_message_commits_alone_when_it_runs_again() {
 async fn spanner_leasers_on_one_shard_never_see_a_full_queue_as_empty() {
     use onceq::store::spanner::{SpannerOptions, SpannerStore};
     use onceq::store::{LeaseParams, SendParams};
-    let (_, database) = spanner_db("", StoreOptions::default()).await;
     let one_shard = SpannerOptions {
-        database: database.clone(),
+        database: format!(
+            "projects/{}/instances/{}/databases/s{:x}",
+            common::spanner::PROJECT,
+            common::spanner::INSTANCE,
+            rand::random::<u32>()
+        ),
         shards: 1,
         clients: 2,
         exclusive: None,
@@ -675,7 +706,7 @@ async fn spanner_leasers_on_one_shard_never_see_a_full_queue_as_empty() {
     };
     let options = StoreOptions::default();
     let hosts: Vec<Arc<dyn Store>> = vec![
-        Arc::new(SpannerStore::open(&one_shard, &options).await.unwrap()),
+        Arc::new(SpannerStore::init(&one_shard, "", &options).await.unwrap()),
         Arc::new(SpannerStore::open(&one_shard, &options).await.unwrap()),
     ];
     let total = 240;

@@ -33,6 +33,7 @@ pub fn system_ddl(expiry: SpannerExpiry) -> Vec<String> {
         dedup,
         COUNTS_DDL,
         CHORES_DDL,
+        SETTINGS_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -64,6 +65,14 @@ pub(super) const DEDUP_TTL_ALTER: [&str; 2] = [
 pub(super) const CHORES_DDL: &str = "CREATE TABLE onceq_chores (
             chore STRING(64) NOT NULL, holder STRING(64) NOT NULL, next_at INT64 NOT NULL
          ) PRIMARY KEY (chore)";
+
+/// Settings every host of the database must share, fixed by the first
+/// (`spanner.shards`: a message's shard is chosen when it is sent, so a
+/// host leasing from fewer shards than producers send to would never see
+/// some messages).
+pub(super) const SETTINGS_DDL: &str = "CREATE TABLE onceq_settings (
+            name STRING(64) NOT NULL, value STRING(MAX) NOT NULL
+         ) PRIMARY KEY (name)";
 
 /// The processed counts (`onceq stats`): `spanner_count_rows` rows per queue,
 /// each batch commit adding to one at random, so hosts seldom contend for
@@ -285,7 +294,16 @@ impl SpannerStore {
             }
         };
         let schema = Arc::new(schema);
-        let shards = opts.shards.max(1);
+        let shards = retrying("the shard count", || Self::settled_shards(&pool, opts.shards.max(1)))
+            .await
+            .map_err(|e| anyhow::Error::new(e).context(format!("reading the shard count of {}", opts.database)))?;
+        if shards != opts.shards.max(1) {
+            tracing::warn!(
+                "{}: its queues are sharded {shards} ways (fixed by the first host that opened it); spanner.shards = {} here is not used: every host and producer must use the same count, or messages sit on shards some hosts never read",
+                opts.database,
+                opts.shards
+            );
+        }
         let splits = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let batch = SpannerBatch {
             pool: pool.clone(),
@@ -313,6 +331,47 @@ impl SpannerStore {
             instance: random_id(),
             splits,
         })
+    }
+
+    /// The database's shard count: the one stored in `onceq_settings`, or
+    /// `wanted`, stored, if none is yet (the first host to open it).
+    async fn settled_shards(pool: &Arc<Pool>, wanted: u32) -> StoreResult<u32> {
+        let read = google_cloud_spanner::read::ReadRequest::builder("onceq_settings", ["value"])
+            .with_keys(
+                KeySetBuilder::new()
+                    .add_key(Key::new(vec![SValue::from("spanner.shards".to_string())]))
+                    .build(),
+            )
+            .build();
+        let stored = pool
+            .rw("the shard count", move |tx| {
+                let read = read.clone();
+                async move {
+                    let mut rs = tx.execute_read(read).await?;
+                    let mut stored = None;
+                    while let Some(r) = rs.next().await {
+                        stored = Some(r?.get::<String>(0)?);
+                    }
+                    if stored.is_none() {
+                        tx.buffer(vec![Mutation::new_insert_builder("onceq_settings")
+                            .set("name")
+                            .to("spanner.shards".to_string())
+                            .set("value")
+                            .to(wanted.to_string())
+                            .build()])?;
+                    }
+                    Ok(stored)
+                }
+            })
+            .await?;
+        match stored {
+            None => Ok(wanted),
+            Some(v) => v
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| StoreError::Permanent(format!("onceq_settings has spanner.shards = {v:?}, not a shard count"))),
+        }
     }
 
     /// The rows of a query of the database's INFORMATION_SCHEMA.
@@ -375,6 +434,9 @@ impl SpannerStore {
         }
         if has("onceq_messages", "id") && !has("onceq_chores", "chore") {
             ddl.push(CHORES_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+        if has("onceq_messages", "id") && !has("onceq_settings", "name") {
+            ddl.push(SETTINGS_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
         }
         if ddl.is_empty() {
             return Ok(());
