@@ -1239,7 +1239,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     let work = std::env::var_os("ONCEQ_BENCH_CLI_DIR").map_or_else(|| dir.join("cli"), std::path::PathBuf::from);
     std::fs::create_dir_all(&work).unwrap();
     let rt = tokio::runtime::Handle::current();
-    let drain = |name: &str, extra: &str, n: usize| -> (f64, u64) {
+    let drain_with = |name: &str, extra: &str, n: usize, component: &Path| -> (f64, u64) {
         let db = work.join(format!("{name}.db"));
         {
             let (store, _) = fresh_db(&work, &format!("{name}.db"));
@@ -1272,6 +1272,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
         }
         (secs, written)
     };
+    let drain = |name: &str, extra: &str, n: usize| drain_with(name, extra, n, component);
     drain("warm", "", 0); // compiles the component into the folder's cache
     let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
     let (mut cli, mut alone, mut raw1, mut raw16, mut raw64, mut full) = (f64::MAX, f64::MAX, None, None, None, None);
@@ -1329,6 +1330,43 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     history::record("raw_full_msgs_per_s", full.msgs_per_s);
     history::record("cli_over_raw_full", cli / full.msgs_per_s);
     history::record("cli_pages_per_message", cli_pages);
+
+    // What a team gets in each language: the same handler built with each
+    // SDK, through the CLI with the defaults (ONCEQ_BENCH_CLI_GUEST_MESSAGES
+    // each, 3,000 by default; interpreted guests are slower), the compiled
+    // cache warmed by a first run of each.
+    let m = env_usize("ONCEQ_BENCH_CLI_GUEST_MESSAGES", 3_000);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let guests = [
+        ("Rust", component.to_path_buf(), "cli_rust_guest_msgs_per_s"),
+        (
+            "JavaScript",
+            root.join("guest-examples/target/js/payments.wasm"),
+            "cli_js_msgs_per_s",
+        ),
+        (
+            "Python",
+            root.join("guest-examples/target/python/payments.wasm"),
+            "cli_python_msgs_per_s",
+        ),
+    ];
+    println!("\n| through the CLI by language: {m} payments messages, default settings, best of {rounds} | messages/s | of Rust |");
+    println!("|---|---|---|");
+    let mut rust = None;
+    for (lang, path, metric) in &guests {
+        if !path.exists() {
+            println!("| {lang} | ({} not built) | |", path.display());
+            continue;
+        }
+        drain_with(&format!("warm-{lang}"), "", 0, path);
+        let secs = (0..rounds)
+            .map(|r| drain_with(&format!("{lang}-{r}"), "", m, path).0)
+            .fold(f64::MAX, f64::min);
+        let rate = m as f64 / secs;
+        let of = *rust.get_or_insert(rate);
+        println!("| {lang} | {rate:.0} | {:.2} |", rate / of);
+        history::record(metric, rate);
+    }
 }
 
 /// On the Spanner emulator (one read-write transaction at a time), `n`
