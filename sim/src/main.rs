@@ -392,10 +392,11 @@ fn main() {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-    /// The book quotes `make sim`: every table row of docs/src/spanner.md's
-    /// simulation section is a row the simulation prints today (the runs
-    /// are seeded, so a change to the model shows here until the book is
-    /// brought up to date).
+    /// The book and the README quote `make sim`: every table row of
+    /// docs/src/spanner.md's simulation section and of the README's scale
+    /// section is a row the simulation prints today (the runs are seeded,
+    /// so a change to the model shows here until the docs are brought up
+    /// to date).
     #[test]
     fn the_book_quotes_what_make_sim_prints() {
         let book = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/src/spanner.md")).unwrap();
