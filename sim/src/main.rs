@@ -414,5 +414,12 @@ mod tests {
             stale.is_empty(),
             "rows of the book that make sim no longer prints (run make sim, update docs/src/spanner.md):\n{stale:#?}"
         );
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let section = &readme[readme.find("## On real Spanner, at scale").unwrap()..];
+        let end = section[3..].find("\n## ").map_or(section.len(), |i| i + 3);
+        let quoted: Vec<&str> = section[..end].lines().filter(|l| l.starts_with("| ")).collect();
+        assert!(quoted.len() >= 5, "{} rows in the README", quoted.len());
+        let stale: Vec<&&str> = quoted.iter().filter(|l| !printed.contains(**l)).collect();
+        assert!(stale.is_empty(), "rows of the README that make sim no longer prints:\n{stale:#?}");
     }
 }
