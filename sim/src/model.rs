@@ -227,8 +227,6 @@ struct Counts {
     committed: u64,
     commits: u64,
     aborts: u64,
-    lease_rounds: u64,
-    lease_rounds_lost: u64,
     candidates: u64,
     candidates_lost: u64,
     reads: u64,
@@ -502,8 +500,6 @@ impl Sim {
             self.next_id += 1;
         }
         if self.counting() {
-            self.stats.lease_rounds += 1;
-            self.stats.lease_rounds_lost += u64::from(lost > 0);
             self.stats.candidates += cands.len() as u64;
             self.stats.candidates_lost += lost as u64;
         }
@@ -731,7 +727,7 @@ mod tests {
     /// Taking the oldest candidates, hosts on few shards lose rounds to
     /// each other; a random pick among four times as many loses fewer.
     #[test]
-    fn a_random_pick_loses_fewer_lease_rounds_than_the_oldest() {
+    fn a_random_pick_loses_fewer_candidates_than_the_oldest() {
         let p = |pick_oldest| Params {
             hosts: 16,
             shards: 2,
