@@ -343,27 +343,46 @@ impl SpannerStore {
                     .build(),
             )
             .build();
+        // Read first: only the first host of a database writes (every
+        // command opens the store; a read-write transaction each time
+        // would take the emulator's turn for nothing).
+        let first_read = read.clone();
         let stored = pool
-            .rw("the shard count", move |tx| {
-                let read = read.clone();
-                async move {
-                    let mut rs = tx.execute_read(read).await?;
-                    let mut stored = None;
-                    while let Some(r) = rs.next().await {
-                        stored = Some(r?.get::<String>(0)?);
-                    }
-                    if stored.is_none() {
-                        tx.buffer(vec![Mutation::new_insert_builder("onceq_settings")
-                            .set("name")
-                            .to("spanner.shards".to_string())
-                            .set("value")
-                            .to(wanted.to_string())
-                            .build()])?;
-                    }
-                    Ok(stored)
+            .within("the shard count", false, async {
+                let c = pool.get().await?;
+                let mut rs = c.single_use().build().execute_read(first_read).await.map_err(classify)?;
+                let mut stored = None;
+                while let Some(r) = rs.next().await {
+                    stored = Some(r.map_err(classify)?.get::<String>(0).map_err(classify)?);
                 }
+                Ok(stored)
             })
             .await?;
+        let stored = match stored {
+            Some(v) => Some(v),
+            None => {
+                pool.rw("the shard count", move |tx| {
+                    let read = read.clone();
+                    async move {
+                        let mut rs = tx.execute_read(read).await?;
+                        let mut stored = None;
+                        while let Some(r) = rs.next().await {
+                            stored = Some(r?.get::<String>(0)?);
+                        }
+                        if stored.is_none() {
+                            tx.buffer(vec![Mutation::new_insert_builder("onceq_settings")
+                                .set("name")
+                                .to("spanner.shards".to_string())
+                                .set("value")
+                                .to(wanted.to_string())
+                                .build()])?;
+                        }
+                        Ok(stored)
+                    }
+                })
+                .await?
+            }
+        };
         match stored {
             None => Ok(wanted),
             Some(v) => v

@@ -592,7 +592,7 @@ impl commit::BatchCommit for SpannerBatch {
         let (mut rest, mut rest_at) = (Vec::new(), Vec::new());
         for (i, (p, s)) in batch.into_iter().zip(suspect).enumerate() {
             if s {
-                out[i] = self.commit_together(vec![p]).await.pop();
+                out[i] = Some(self.commit_one(&p).await);
             } else {
                 rest.push(p);
                 rest_at.push(i);
@@ -642,26 +642,36 @@ impl SpannerBatch {
         }
     }
 
+    /// `p` in a transaction of its own; a refused write makes it a
+    /// suspect, anything else clears it.
+    async fn commit_one(&self, p: &commit::Pending) -> StoreResult<()> {
+        // Alone (anything near the limits is), a message Spanner would
+        // refuse is refused here, in words, without a transaction.
+        if let Some(why) = over_commit_limits(p) {
+            return Err(StoreError::WriteRefused(why));
+        }
+        let r = match self.commit_all(Arc::new(vec![p.clone()]), Arc::new(Mutex::new(Vec::new()))).await {
+            Ok(mut r) => r.pop().unwrap_or(Ok(())),
+            Err(e) => Err(match &p.ack {
+                Some(lease) => lease_error(e, lease),
+                None => e,
+            }),
+        };
+        self.suspect(p, matches!(r, Err(StoreError::WriteRefused(_))));
+        r
+    }
+
     async fn commit_together(&self, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         let n = batch.len();
         if let [p] = &batch[..] {
-            // Alone (anything near the limits is), a message Spanner would
-            // refuse is refused here, in words, without a transaction.
-            if let Some(why) = over_commit_limits(p) {
-                return vec![Err(StoreError::WriteRefused(why))];
-            }
+            return vec![self.commit_one(p).await];
         }
         let batch = Arc::new(batch);
         let lost = Arc::new(Mutex::new(Vec::new()));
         let e = match self.injected_refusal(n) {
             Some(e) => e,
             None => match self.commit_all(batch.clone(), lost.clone()).await {
-                Ok(results) => {
-                    if n == 1 {
-                        self.suspect(&batch[0], matches!(results[0], Err(StoreError::WriteRefused(_))));
-                    }
-                    return results;
-                }
+                Ok(results) => return results,
                 Err(e) => e,
             },
         };
@@ -674,14 +684,6 @@ impl SpannerBatch {
             },
             _ => e.clone(),
         };
-        if n == 1 {
-            self.suspect(&batch[0], matches!(e, StoreError::WriteRefused(_)));
-            let r = match &batch[0].ack {
-                Some(lease) => lease_error(e, lease),
-                None => e,
-            };
-            return vec![Err(r)];
-        }
         if e.is_unknown_outcome() || e.is_retryable() {
             return (0..n).map(|i| Err(lost_or(i, &e))).collect();
         }
@@ -693,16 +695,7 @@ impl SpannerBatch {
                 out.push(Err(lost_or(i, &e)));
                 continue;
             }
-            let one = Arc::new(vec![p.clone()]);
-            let r = match self.commit_all(one, Arc::new(Mutex::new(Vec::new()))).await {
-                Ok(mut r) => r.pop().unwrap_or(Ok(())),
-                Err(e) => Err(match &p.ack {
-                    Some(lease) => lease_error(e, lease),
-                    None => e,
-                }),
-            };
-            self.suspect(p, matches!(r, Err(StoreError::WriteRefused(_))));
-            out.push(r);
+            out.push(self.commit_one(p).await);
         }
         out
     }
