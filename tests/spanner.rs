@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::conformance as suite;
-use common::spanner::spanner_db;
+use common::spanner::{spanner_db, spanner_options, Audit};
 use onceq::store::StoreOptions;
 use std::time::Duration;
 
@@ -83,23 +83,6 @@ fn purge_every(every: Duration) -> StoreOptions {
     }
 }
 
-/// Google's client on `database`, not onceq's store.
-async fn client(database: &str) -> google_cloud_spanner::client::DatabaseClient {
-    let spanner = google_cloud_spanner::client::Spanner::builder().build().await.unwrap();
-    spanner.database_client(database.to_string()).build().await.unwrap()
-}
-
-/// The strings the query's first column returns.
-async fn strings(client: &google_cloud_spanner::client::DatabaseClient, sql: &str) -> Vec<Option<String>> {
-    let stmt = google_cloud_spanner::statement::Statement::builder(sql.to_string()).build();
-    let mut rs = client.single_use().build().execute_query(stmt).await.unwrap();
-    let mut out = Vec::new();
-    while let Some(r) = rs.next().await {
-        out.push(r.unwrap().get::<Option<String>>(0).unwrap());
-    }
-    out
-}
-
 /// A database made by onceq deletes expired dedup keys itself (a row
 /// deletion policy): the purge has nothing to do and leaves them, and an
 /// expired key is no key from the moment it expires.
@@ -107,13 +90,13 @@ async fn strings(client: &google_cloud_spanner::client::DatabaseClient, sql: &st
 async fn spanner_the_database_forgets_expired_keys_itself() {
     use onceq::store::{SendOutcome, SendParams};
     let (store, database) = spanner_db("", StoreOptions::default()).await;
-    let db = client(&database).await;
-    let policy = strings(
-        &db,
-        "SELECT ROW_DELETION_POLICY_EXPRESSION FROM INFORMATION_SCHEMA.TABLES WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
-    )
-    .await;
-    assert_eq!(policy, [Some("OLDER_THAN(expires, INTERVAL 0 DAY)".to_string())]);
+    let db = Audit::new(&database).await;
+    let policy = db
+        .strings(
+            "SELECT IFNULL(ROW_DELETION_POLICY_EXPRESSION, 'none') FROM INFORMATION_SCHEMA.TABLES WHERE TABLE_SCHEMA = '' AND TABLE_NAME = 'onceq_dedup'",
+        )
+        .await;
+    assert_eq!(policy, ["OLDER_THAN(expires, INTERVAL 0 DAY)"]);
     let keyed = || SendParams {
         queue: "q".into(),
         payload: b"x".to_vec(),
@@ -127,8 +110,8 @@ async fn spanner_the_database_forgets_expired_keys_itself() {
     ));
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(store.dedup_purge().await.unwrap(), 0, "no purge where the database expires keys");
-    let rows = strings(&db, "SELECT dedup_key FROM onceq_dedup").await;
-    assert_eq!(rows, [Some("k".to_string())], "the purge left the expired key to the database");
+    let rows = db.strings("SELECT dedup_key FROM onceq_dedup").await;
+    assert_eq!(rows, ["k"], "the purge left the expired key to the database");
     assert!(
         matches!(store.message_send(vec![keyed()]).await.unwrap()[..], [SendOutcome::Sent { .. }]),
         "an expired key is no key"
@@ -146,13 +129,14 @@ async fn spanner_no_index_of_onceqs_leads_with_a_time() {
             ..Default::default()
         };
         let (_, database) = spanner_db("", options).await;
-        let leading = strings(
-            &client(&database).await,
-            "SELECT CONCAT(INDEX_NAME, ' (', COLUMN_NAME, ')') FROM INFORMATION_SCHEMA.INDEX_COLUMNS
-             WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_') AND INDEX_TYPE = 'INDEX' AND ORDINAL_POSITION = 1",
-        )
-        .await;
-        assert_eq!(leading, [Some("onceq_messages_visible (queue)".to_string())], "{expiry:?}");
+        let leading = Audit::new(&database)
+            .await
+            .strings(
+                "SELECT CONCAT(INDEX_NAME, ' (', COLUMN_NAME, ')') FROM INFORMATION_SCHEMA.INDEX_COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND STARTS_WITH(TABLE_NAME, 'onceq_') AND INDEX_TYPE = 'INDEX' AND ORDINAL_POSITION = 1",
+            )
+            .await;
+        assert_eq!(leading, ["onceq_messages_visible (queue)"], "{expiry:?}");
     }
 }
 
@@ -165,10 +149,10 @@ async fn spanner_no_index_of_onceqs_leads_with_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_a_purge_of_100000_expired_keys_runs_on_one_host_and_never_fails() {
     use google_cloud_spanner::mutation::Mutation;
-    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::spanner::SpannerStore;
     let options = purge_every(Duration::from_secs(3600));
     let (_, database) = spanner_db("", options.clone()).await;
-    let db = client(&database).await;
+    let db = Audit::new(&database).await;
     let (expired, live) = (100_000usize, 5usize);
     let started = std::time::Instant::now();
     for chunk in (0..expired + live).collect::<Vec<_>>().chunks(10_000) {
@@ -188,16 +172,10 @@ async fn spanner_a_purge_of_100000_expired_keys_runs_on_one_host_and_never_fails
                     .build()
             })
             .collect();
-        db.write_only_transaction().build().write(rows).await.unwrap();
+        db.write(rows).await;
     }
     eprintln!("{} keys written in {:?}", expired + live, started.elapsed());
-    let opts = SpannerOptions {
-        database,
-        shards: 4,
-        clients: 2,
-        exclusive: None,
-        call_timeout: Duration::from_secs(10),
-    };
+    let opts = spanner_options(&database, 4);
     let hosts = [
         SpannerStore::open(&opts, &options).await.unwrap(),
         SpannerStore::open(&opts, &options).await.unwrap(),
@@ -212,8 +190,8 @@ async fn spanner_a_purge_of_100000_expired_keys_runs_on_one_host_and_never_fails
         [0, expired as u64],
         "one host purged every expired key, the other skipped its turn"
     );
-    let left = strings(&db, "SELECT dedup_key FROM onceq_dedup ORDER BY dedup_key").await;
-    let want: Vec<Option<String>> = (expired..expired + live).map(|i| Some(format!("k{i}"))).collect();
+    let left = db.strings("SELECT dedup_key FROM onceq_dedup ORDER BY dedup_key").await;
+    let want: Vec<String> = (expired..expired + live).map(|i| format!("k{i}")).collect();
     assert_eq!(left, want, "the live keys stay");
     assert_eq!(hosts[0].dedup_purge().await.unwrap() + hosts[1].dedup_purge().await.unwrap(), 0);
 }
@@ -224,15 +202,9 @@ async fn spanner_a_purge_of_100000_expired_keys_runs_on_one_host_and_never_fails
 /// and the counts add up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_counts_rows_do_not_grow_with_restarts() {
-    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::spanner::SpannerStore;
     let (_, database) = spanner_db("", StoreOptions::default()).await;
-    let opts = SpannerOptions {
-        database: database.clone(),
-        shards: 4,
-        clients: 1,
-        exclusive: None,
-        call_timeout: Duration::from_secs(10),
-    };
+    let opts = spanner_options(&database, 4);
     let restarts = 40;
     let options = StoreOptions {
         spanner_count_rows: 16,
@@ -244,12 +216,10 @@ async fn spanner_counts_rows_do_not_grow_with_restarts() {
         let got = suite::lease(&s, "q", 1, 60_000).await;
         suite::ack(&s, &got[0].lease).await.unwrap();
     }
-    let rows = strings(
-        &client(&database).await,
-        "SELECT CAST(COUNT(*) AS STRING) FROM onceq_counts WHERE queue = 'q'",
-    )
-    .await;
-    let rows: usize = rows[0].as_deref().unwrap().parse().unwrap();
+    let rows = Audit::new(&database)
+        .await
+        .int("SELECT COUNT(*) FROM onceq_counts WHERE queue = 'q'")
+        .await;
     assert!(rows <= 16, "{rows} counts rows after {restarts} restarts");
     let s = SpannerStore::open(&opts, &StoreOptions::default()).await.unwrap();
     let stats = s.stats().await.unwrap();
@@ -489,7 +459,7 @@ async fn spanner_three_hosts_drain_one_queue_exactly_once() {
 /// store on it that injects `faults` in its batch commits.
 async fn payments_under_batch_faults(n: usize, faults: onceq::store::faulty::BatchFaults) -> Arc<dyn Store> {
     use onceq::store::commit::CommitOptions;
-    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::spanner::SpannerStore;
     let (seeder, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
     seed_accounts(seeder.as_ref(), ACCOUNTS, BALANCE).await;
     send_orders(seeder.as_ref(), n, ACCOUNTS).await;
@@ -501,13 +471,7 @@ async fn payments_under_batch_faults(n: usize, faults: onceq::store::faulty::Bat
         },
         ..StoreOptions::default()
     };
-    let opts = SpannerOptions {
-        database,
-        shards: 4,
-        clients: 4,
-        exclusive: None,
-        call_timeout: Duration::from_secs(10),
-    };
+    let opts = spanner_options(&database, 4);
     Arc::new(SpannerStore::open(&opts, &options).await.unwrap())
 }
 
@@ -662,23 +626,14 @@ async fn spanner_a_refused_message_commits_alone_when_it_runs_again() {
 /// with 1 shard would never see what a host with 4 sent to shards 1-3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_a_host_configured_with_other_shards_still_sees_every_message() {
-    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::spanner::SpannerStore;
     let (four, database) = spanner_db("", StoreOptions::default()).await;
     four.message_send((0..40).map(|i| suite::send("q", &format!("{i}"))).collect())
         .await
         .unwrap();
-    let one = SpannerStore::open(
-        &SpannerOptions {
-            database,
-            shards: 1,
-            clients: 2,
-            exclusive: None,
-            call_timeout: Duration::from_secs(10),
-        },
-        &StoreOptions::default(),
-    )
-    .await
-    .unwrap();
+    let one = SpannerStore::open(&spanner_options(&database, 1), &StoreOptions::default())
+        .await
+        .unwrap();
     let got = suite::lease(&one, "q", 100, 60_000).await;
     assert_eq!(got.len(), 40, "the messages on every shard are leased");
 }
@@ -690,20 +645,9 @@ async fn spanner_a_host_configured_with_other_shards_still_sees_every_message() 
 /// mostly picks other rows in the first place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_leasers_on_one_shard_never_see_a_full_queue_as_empty() {
-    use onceq::store::spanner::{SpannerOptions, SpannerStore};
+    use onceq::store::spanner::SpannerStore;
     use onceq::store::{LeaseParams, SendParams};
-    let one_shard = SpannerOptions {
-        database: format!(
-            "projects/{}/instances/{}/databases/s{:x}",
-            common::spanner::PROJECT,
-            common::spanner::INSTANCE,
-            rand::random::<u32>()
-        ),
-        shards: 1,
-        clients: 2,
-        exclusive: None,
-        call_timeout: Duration::from_secs(10),
-    };
+    let one_shard = spanner_options(&common::spanner::database_name(), 1);
     let options = StoreOptions::default();
     let hosts: Vec<Arc<dyn Store>> = vec![
         Arc::new(SpannerStore::init(&one_shard, "", &options).await.unwrap()),

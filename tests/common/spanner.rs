@@ -10,6 +10,23 @@ use std::sync::Arc;
 pub const PROJECT: &str = "onceq";
 pub const INSTANCE: &str = "onceq-test";
 
+/// A name for a database that does not exist yet, on the test instance.
+pub fn database_name() -> String {
+    format!("projects/{PROJECT}/instances/{INSTANCE}/databases/t{:x}", rand::random::<u64>())
+}
+
+/// How a test's own store instance opens `database`: `shards`, two
+/// clients, the default call deadline.
+pub fn spanner_options(database: &str, shards: u32) -> SpannerOptions {
+    SpannerOptions {
+        database: database.to_string(),
+        shards,
+        clients: 2,
+        exclusive: None,
+        call_timeout: StoreOptions::default().spanner_call_timeout,
+    }
+}
+
 /// A fresh database with `ddl` (GoogleSQL), on the running emulator.
 pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, String) {
     assert!(
@@ -17,14 +34,11 @@ pub async fn spanner_db(ddl: &str, options: StoreOptions) -> (Arc<dyn Store>, St
         "SPANNER_EMULATOR_HOST is not set: run the Spanner tests through `make test` \
          (or tests/with-spanner-emulator.sh cargo test), which starts the emulator"
     );
-    let name = format!("t{:x}", rand::random::<u64>());
-    let database = format!("projects/{PROJECT}/instances/{INSTANCE}/databases/{name}");
+    let database = database_name();
     let opts = SpannerOptions {
-        database: database.clone(),
-        shards: 4,
         clients: 4,
-        exclusive: None,
         call_timeout: options.spanner_call_timeout,
+        ..spanner_options(&database, 4)
     };
     let store = SpannerStore::init(&opts, ddl, &options)
         .await
@@ -60,6 +74,12 @@ impl Audit {
             out.push(r.unwrap().get::<String>(0).unwrap());
         }
         out
+    }
+
+    /// Write `rows` in one write-only transaction (test set-up behind the
+    /// store's back).
+    pub async fn write(&self, rows: Vec<google_cloud_spanner::mutation::Mutation>) {
+        self.client.write_only_transaction().build().write(rows).await.unwrap();
     }
 
     /// The one INT64 the query returns (queried as its text).
