@@ -478,12 +478,14 @@ async fn payments_under_batch_faults(n: usize, faults: onceq::store::faulty::Bat
 /// Drain `store`'s payments: every order applied once, none charged.
 async fn payments_applied_once_and_nothing_charged(store: &Arc<dyn Store>, n: usize) {
     let rt = runtime();
-    let r = payments_runner(store, &rt, policy(1, 50));
+    // The default max_attempts: a fault charged to a message would show.
+    let r = payments_runner(store, &rt, policy(1, onceq::protocol::Policy::default().max_attempts));
     drain(store, std::slice::from_ref(&r)).await;
     check_payments_exactly_once(store.as_ref(), n, ACCOUNTS, BALANCE).await;
     assert_eq!(r.metrics.acked(), n as u64);
     let dead = store.dead_letter_list(onceq::store::Queues::All, 10).await.unwrap();
     assert!(dead.is_empty(), "a fault charged a message: {dead:?}");
+    assert_eq!(r.metrics.failures.load(Relaxed), 0, "a fault counted as a failure");
 }
 
 /// Batch commits aborted past the client's own re-runs (Spanner's
