@@ -1058,9 +1058,17 @@ impl Store for SqliteStore {
         // On the writer, in turn with this host's own writes (so only
         // another process can hold the lock), trying without SQLite's busy
         // handler and pausing between tries, so no thread blocks.
-        let writer = self.inner.writer.lock().await;
-        writer.busy_timeout(Duration::ZERO).map_err(classify)?;
+        // The bound starts before waiting for the writer: while another
+        // process holds the lock, this host's own writer may be the one
+        // waiting for it (a lease, a commit, in SQLite's busy handler).
         let deadline = tokio::time::Instant::now() + WRITE_CHECK_WITHIN;
+        let Ok(writer) = tokio::time::timeout_at(deadline, self.inner.writer.lock()).await else {
+            return Err(StoreError::Unavailable(format!(
+                "the database's write lock was not free for {}s (this host's own writer waited for it all along): is another process holding it?",
+                WRITE_CHECK_WITHIN.as_secs()
+            )));
+        };
+        writer.busy_timeout(Duration::ZERO).map_err(classify)?;
         let out = loop {
             match writer.execute_batch("BEGIN IMMEDIATE; ROLLBACK").map_err(classify) {
                 Ok(()) => break Ok(()),
