@@ -889,3 +889,28 @@ fn onceq_new_scaffolds_a_python_handler_that_builds_tests_checks_and_counts() {
     std::fs::write(&app, &good).unwrap();
     scaffolded_project_counts(&project, "build/hello_py.wasm", "hello-py");
 }
+
+#[test]
+fn try_and_test_report_instructions_and_a_case_can_cap_them() {
+    let p = Project::new("");
+    p.ok(&["init"]);
+    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
+    let report = |out: &str| -> serde_json::Value { serde_json::from_str(out).unwrap() };
+    let a = report(&p.ok(&["try", guest("payments").to_str().unwrap(), "--message", "order.json", "--id", "m-1"]));
+    let ran = a["instructions"].as_u64().expect("try reports instructions");
+    assert!(ran > 1_000, "{a}");
+
+    let case = |name: &str, max: u64| {
+        format!("[[case]]\nname = \"{name}\"\nmessage = {{ order_id = \"o-1\", account = \"acct-x\", amount = 10 }}\nrows.accounts = [{{ id = \"acct-x\", balance = 100 }}]\nmax_instructions = {max}\n")
+    };
+    std::fs::write(
+        p.path().join("budget.test.toml"),
+        format!("{}{}", case("roomy", 100 * ran), case("tight", 10)),
+    )
+    .unwrap();
+    let out = p.fails(&["test", "budget.test.toml"]);
+    assert!(out.contains("ok    roomy") && out.contains(" instructions)"), "{out}");
+    assert!(out.contains("FAIL  tight"), "{out}");
+    assert!(out.contains("instructions, more than max_instructions = 10"), "{out}");
+    assert!(out.contains("2 cases: 1 passed, 1 failed"), "{out}");
+}

@@ -916,3 +916,89 @@ fn onceq_check_refuses_the_impostor_component() {
     assert!(!out.status.success(), "check fails: {text}");
     assert!(text.contains("does not match wit/handler.wit"), "{text}");
 }
+
+// ---- instruction budgets --------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_past_its_instruction_budget_is_dead_lettered_at_once_with_the_count_named() {
+    let db = TestDb::new(HOSTILE_SQL);
+    db.send("hostile", ["spin 50000000".to_string(), "spin 1000".to_string()]).await;
+    let rt = runtime();
+    let limits = HandlerLimits {
+        // The wall-clock deadline is far away: only the budget can stop it.
+        deadline: Duration::from_secs(120),
+        max_instructions: Some(2_000_000),
+        ..Default::default()
+    };
+    let h = Arc::new(wasm(&rt, "hostile", limits));
+    // Five attempts allowed: a budget spent is not retried blindly.
+    let r = runner(&db.store, "hostile", h, grants(&["hostile_log"], &[], &[]), policy(1, 5));
+    drain_within(&db.store, std::slice::from_ref(&r), Duration::from_secs(120)).await;
+    let dead = db.store.dead_letter_list(Queues::All, 10).await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].payload_text, "spin 50000000");
+    assert!(
+        dead[0]
+            .reason
+            .contains("ran past its budget of 2,000,000 instructions (setting queue.max_instructions)"),
+        "{}",
+        dead[0].reason
+    );
+    assert_eq!((dead[0].deliveries, dead[0].failures), (1, 1), "dead-lettered on its first failure");
+    let notes: Vec<String> = db
+        .rows("hostile_log")
+        .await
+        .iter()
+        .map(|r| format!("{:?}", col(r, "note")))
+        .collect();
+    assert_eq!(notes.len(), 1, "the message within its budget was processed: {notes:?}");
+    // Instructions per version, for the metrics.
+    let counted = r.metrics.instruction_quantiles();
+    let (calls, p50, _) = counted.values().next().copied().unwrap();
+    assert_eq!(calls, 2);
+    assert!(p50 > 0, "{counted:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_message_runs_the_same_instructions_on_an_idle_and_a_loaded_machine() {
+    use onceq::protocol::{Handler, ReadScope};
+    let db = TestDb::new(HOSTILE_SQL);
+    let rt = runtime();
+    let h = wasm(&rt, "hostile", HandlerLimits::default());
+    let message = onceq::value::Message {
+        id: "m-1".into(),
+        queue: "hostile".into(),
+        payload: b"spin 200000".to_vec(),
+        attributes: vec![],
+        attempt: 1,
+        enqueued_at: 1,
+    };
+    let tables: Arc<std::collections::BTreeSet<String>> = Arc::new(["hostile_log".to_string()].into_iter().collect());
+    let mut counts = Vec::new();
+    for loaded in [false, true, false] {
+        // Two threads burning both cores while the loaded call runs.
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let burners: Vec<_> = (0..if loaded { 2 } else { 0 })
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        x = std::hint::black_box(x.wrapping_add(1));
+                    }
+                })
+            })
+            .collect();
+        let tx = db.store.transaction_begin().await.unwrap();
+        let out = h.handle(&message, ReadScope::new(tx, db.store.schema(), tables.clone())).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for b in burners {
+            b.join().unwrap();
+        }
+        assert!(out.result.is_ok(), "{:?}", out.result.err());
+        counts.push(out.scope.instructions.expect("instructions are counted by default"));
+        out.scope.into_transaction().rollback().await;
+    }
+    assert!(counts[0] > 200_000, "the loop's instructions are counted: {counts:?}");
+    assert!(counts.iter().all(|c| *c == counts[0]), "the same count each time: {counts:?}");
+}

@@ -81,8 +81,16 @@ fn order_payload(i: usize) -> Vec<u8> {
 }
 
 async fn dispatch(handler: &dyn Handler, schema: Arc<Schema>, n: usize) -> (u64, u64) {
+    let (d50, d99, _) = dispatch_counted(handler, schema, n).await;
+    (d50, d99)
+}
+
+/// [`dispatch`], also giving the median instructions per call (0 when
+/// the engine does not count them).
+async fn dispatch_counted(handler: &dyn Handler, schema: Arc<Schema>, n: usize) -> (u64, u64, u64) {
     let tables: Arc<std::collections::BTreeSet<String>> = Arc::new(["accounts".to_string(), "orders".to_string()].into_iter().collect());
     let mut times = Vec::with_capacity(n);
+    let mut counted = Vec::with_capacity(n);
     for i in 0..n {
         let msg = Message {
             id: format!("{i:032x}"),
@@ -97,8 +105,9 @@ async fn dispatch(handler: &dyn Handler, schema: Arc<Schema>, n: usize) -> (u64,
         let out = handler.handle(&msg, scope).await;
         times.push(t.elapsed().as_nanos() as u64);
         assert!(out.result.is_ok(), "{:?}", out.result.err());
+        counted.push(out.scope.instructions.unwrap_or(0));
     }
-    (quantile(&mut times, 0.5), quantile(&mut times, 0.99))
+    (quantile(&mut times, 0.5), quantile(&mut times, 0.99), quantile(&mut counted, 0.5))
 }
 
 /// The payments logic as a native handler (same reads, same effects).
@@ -859,15 +868,89 @@ async fn pipeline_on(store: Arc<dyn Store>, handler: Arc<dyn Handler>, n: usize,
 /// `runtime.reset_dirty_pages`), and `path` loaded on it: the load's time
 /// in milliseconds, the handler, and the engine (drop it or keep it).
 fn load_on_new_engine(path: &Path, cache_dir: Option<&Path>, reset_dirty_pages: bool) -> (f64, WasmHandler, Runtime) {
+    load_counting(path, cache_dir, reset_dirty_pages, false)
+}
+
+/// [`load_on_new_engine`] on an engine that counts instructions or not
+/// (`runtime.count_instructions`).
+fn load_counting(path: &Path, cache_dir: Option<&Path>, reset_dirty_pages: bool, count_instructions: bool) -> (f64, WasmHandler, Runtime) {
     let runtime = Runtime::new(RuntimeConfig {
         cache_dir: cache_dir.map(Path::to_path_buf),
         reset_dirty_pages,
+        count_instructions,
         ..RuntimeConfig::default()
     })
     .unwrap();
     let t = Instant::now();
     let handler = runtime.load_file(path, HandlerLimits::default()).unwrap();
     (t.elapsed().as_secs_f64() * 1000.0, handler, runtime)
+}
+
+/// What counting instructions costs (`runtime.count_instructions`, on by
+/// itself when a queue has `max_instructions`): per language, dispatch
+/// with and without, the instructions a payments message runs, and the
+/// Rust pipeline (1 worker) with and without, interleaved, best of 2.
+async fn instruction_counting(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema>, calls: usize) {
+    let n = env_usize("ONCEQ_BENCH_LANG_MESSAGES", 2_000);
+    let lang_calls = (calls / 10).max(200);
+    println!(
+        "\n| payments in | instructions per message (median) | dispatch median, not counted | dispatch median, counted | counted / not |"
+    );
+    println!("|---|---|---|---|---|");
+    for (lang, key, path) in [
+        ("Rust", "rust", component.to_path_buf()),
+        (
+            "Python (componentize-py)",
+            "python",
+            root.join("guest-examples/target/python/payments.wasm"),
+        ),
+        (
+            "JavaScript (componentize-js)",
+            "js",
+            root.join("guest-examples/target/js/payments.wasm"),
+        ),
+    ] {
+        if !path.exists() {
+            println!("| {lang} | not built ({}) | | | |", path.display());
+            continue;
+        }
+        let cache = dir.join(format!("cache-fuel-{}", lang.len()));
+        let (_, off, _e1) = load_counting(&path, Some(&cache), true, false);
+        let (_, on, _e2) = load_counting(&path, Some(&cache), true, true);
+        let (mut best_off, mut best_on, mut ran) = (u64::MAX, u64::MAX, 0);
+        for _ in 0..2 {
+            best_off = best_off.min(warm_dispatch(&off, schema.clone(), lang_calls).await.0);
+            let _ = dispatch(&on, schema.clone(), lang_calls / 10).await;
+            let (d50, _, i50) = dispatch_counted(&on, schema.clone(), lang_calls).await;
+            best_on = best_on.min(d50);
+            ran = i50;
+        }
+        println!(
+            "| {lang} | {ran} | {:.1} µs | {:.1} µs | {:.2} |",
+            best_off as f64 / 1000.0,
+            best_on as f64 / 1000.0,
+            best_on as f64 / best_off.max(1) as f64
+        );
+        history::record(&format!("{key}_instructions_per_message"), ran as f64);
+        history::record(&format!("{key}_counted_dispatch_ratio"), best_on as f64 / best_off.max(1) as f64);
+    }
+    let cache = dir.join("cache-fuel-pipeline");
+    let (mut off_best, mut on_best): (Option<Run>, Option<Run>) = (None, None);
+    for r in 0..2 {
+        let (_, off, _e1) = load_counting(component, Some(&cache), true, false);
+        off_best = best(off_best, pipeline(dir, &format!("fuel-off-{r}.db"), Arc::new(off), n, 1).await);
+        let (_, on, _e2) = load_counting(component, Some(&cache), true, true);
+        on_best = best(on_best, pipeline(dir, &format!("fuel-on-{r}.db"), Arc::new(on), n, 1).await);
+    }
+    if let (Some(off), Some(on)) = (off_best, on_best) {
+        println!(
+            "\nRust pipeline, 1 worker ({n} messages): {:.0} msg/s not counted, {:.0} counted: {:.2}\n",
+            off.msgs_per_s,
+            on.msgs_per_s,
+            on.msgs_per_s / off.msgs_per_s
+        );
+        history::record("counted_pipeline_ratio", on.msgs_per_s / off.msgs_per_s);
+    }
 }
 
 /// Median and p99 of `calls` dispatches, after a tenth as many to warm up.
@@ -1089,6 +1172,10 @@ fn main() {
             println!("dispatch: median {:.1} µs, p99 {:.1} µs", d50 as f64 / 1000.0, d99 as f64 / 1000.0);
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("instructions") {
+            instruction_counting(&root, &component, dir.path(), schema.clone(), calls).await;
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("languages") {
             languages(&root, &component, dir.path(), schema.clone(), calls).await;
             return;
@@ -1193,6 +1280,7 @@ fn main() {
         tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
+        instruction_counting(&root, &component, dir.path(), schema.clone(), calls).await;
 
         if std::env::var("SPANNER_EMULATOR_HOST").is_ok() {
             let ns = env_usize("ONCEQ_BENCH_SPANNER_MESSAGES", 300);

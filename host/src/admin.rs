@@ -443,6 +443,22 @@ impl prometheus_client::collector::Collector for Collector {
             )?;
             ConstCounter::new(stats.messages).encode(m)?;
         }
+        {
+            let mut m = e.encode_descriptor(
+                "onceq_handler_instructions",
+                "Instructions per handler call (instantiation included), per queue and version, at quantiles 0.5 and 0.99 (not counted with runtime.count_instructions = false)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for r in runners {
+                for (version, (_, p50, p99)) in r.metrics.instruction_quantiles() {
+                    for (q, v) in [("0.5", p50), ("0.99", p99)] {
+                        let labels: Labels = vec![("queue", r.spec.name.clone()), ("version", version.clone()), ("quantile", q.into())];
+                        ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
+                    }
+                }
+            }
+        }
         histograms(
             &mut e,
             "onceq_message_duration_seconds",

@@ -355,8 +355,10 @@ pub async fn try_message(
             )
         }
     };
+    // Instructions are always counted here: the report gives them.
     let runtime = Runtime::new(RuntimeConfig {
         max_instances: 4,
+        count_instructions: true,
         ..cfg.runtime.clone()
     })?;
     let handler = runtime.load_file_reporting(component, limits, progress)?;

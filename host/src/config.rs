@@ -52,6 +52,7 @@ struct RawRuntime {
     cache: Option<bool>,
     cache_max_bytes: Option<String>,
     reset_dirty_pages: Option<bool>,
+    count_instructions: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -93,6 +94,7 @@ struct RawSettings {
     max_reads: Option<u64>,
     max_read_bytes: Option<String>,
     max_log_bytes: Option<String>,
+    max_instructions: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -123,6 +125,7 @@ struct RawQueue {
     max_reads: Option<u64>,
     max_read_bytes: Option<String>,
     max_log_bytes: Option<String>,
+    max_instructions: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -480,6 +483,9 @@ impl RawRuntime {
         if let Some(b) = self.reset_dirty_pages {
             runtime.reset_dirty_pages = b;
         }
+        if let Some(b) = self.count_instructions {
+            runtime.count_instructions = b;
+        }
         if self.cache.unwrap_or(true) {
             runtime.cache_dir = Some(state_dir.join("cache"));
         }
@@ -551,6 +557,10 @@ impl RawQueue {
             deadline: at_most(&key("deadline"), dur("deadline", &q.deadline, &d.deadline, hd.deadline)?, MAX_LEASE)?,
             memory: size("memory", &q.memory, &d.memory, hd.memory)?,
             max_log_bytes: size("max_log_bytes", &q.max_log_bytes, &d.max_log_bytes, hd.max_log_bytes)?,
+            max_instructions: match q.max_instructions.or(d.max_instructions) {
+                Some(0) => bail!("queue {}: max_instructions must be at least 1 (leave it out for no budget)", q.name),
+                n => n,
+            },
         };
         if limits.memory > runtime.max_memory {
             bail!(
@@ -731,6 +741,11 @@ impl Config {
         };
         let state_dir = resolve(base, raw.state_dir.as_deref().unwrap_or(Path::new(".onceq")));
         let runtime = raw.runtime.resolve(&state_dir)?;
+        if raw.runtime.count_instructions == Some(false)
+            && (raw.defaults.max_instructions.is_some() || raw.queues.iter().any(|q| q.max_instructions.is_some()))
+        {
+            bail!("runtime.count_instructions = false, but a queue has max_instructions: a budget needs instructions counted");
+        }
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
             if queues.iter().any(|o| o.name == q.name) {
@@ -932,6 +947,14 @@ mod tests {
             "queue a: max_delay",
         );
         bad("store = \"x\"\n[admin]\nmax_upload = \"lots\"", "admin.max_upload");
+        bad(
+            "store = \"x\"\n[runtime]\ncount_instructions = false\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nmax_instructions = 1000",
+            "a budget needs instructions counted",
+        );
+        bad(
+            "store = \"x\"\n[[queue]]\nname = \"a\"\nhandler = \"h\"\nmax_instructions = 0",
+            "queue a: max_instructions must be at least 1",
+        );
     }
 
     #[test]
@@ -950,6 +973,15 @@ mod tests {
         let b = cfg.queue("b").unwrap();
         assert_eq!(b.effect_limits.max_read_bytes, EffectLimits::default().max_read_bytes);
         assert_eq!(b.limits.max_log_bytes, HandlerLimits::default().max_log_bytes);
+        assert_eq!((a.limits.max_instructions, b.limits.max_instructions), (None, None));
+        assert!(cfg.runtime.count_instructions, "instructions are counted by default");
+        let budget = Config::parse(
+            "store = \"x\"\n[defaults]\nmax_instructions = 11000000\n[[queue]]\nname = \"a\"\nhandler = \"h\"\n[[queue]]\nname = \"b\"\nhandler = \"h\"\nmax_instructions = 500",
+            Path::new("/"),
+        )
+        .unwrap();
+        assert_eq!(budget.queue("a").unwrap().limits.max_instructions, Some(11_000_000));
+        assert_eq!(budget.queue("b").unwrap().limits.max_instructions, Some(500));
         assert_eq!(
             Config::parse("store = \"x\"", Path::new("/")).unwrap().shutdown_grace,
             SHUTDOWN_GRACE

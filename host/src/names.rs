@@ -228,6 +228,19 @@ pub fn reason(text: &str) -> String {
 
 /// A duration as a person writes it in `onceq.toml`: the largest whole unit
 /// (`365d`, `1h`, `90s`, `250ms`), else humantime's spelling.
+/// `n` with thousands separated by commas: 12,500,000.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 pub fn duration(d: std::time::Duration) -> String {
     const UNITS: [(u128, &str); 5] = [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1000, "s"), (1, "ms")];
     let ms = d.as_millis();

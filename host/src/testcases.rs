@@ -98,6 +98,10 @@ pub struct Case {
     /// The listed effects are all of them (default: at least these).
     #[serde(default)]
     pub exact: bool,
+    /// The call may run at most this many instructions (instantiation
+    /// included): a budget the handler's authors hold themselves to, below
+    /// the queue's `max_instructions`.
+    pub max_instructions: Option<u64>,
 }
 
 /// An expected row write: its table, its operation if given, and the
@@ -395,6 +399,15 @@ fn check(schema: &Schema, case: &Case, report: &TryReport) -> Vec<String> {
             }
         }
     }
+    if let (Some(max), Some(ran)) = (case.max_instructions, report.instructions) {
+        if ran > max {
+            problems.push(format!(
+                "ran {} instructions, more than max_instructions = {}",
+                crate::names::thousands(ran),
+                crate::names::thousands(max)
+            ));
+        }
+    }
     let mut used = vec![false; report.effects.len()];
     for w in &case.writes {
         let table = schema.table(&w.table);
@@ -553,8 +566,10 @@ fn describe_intent(m: &IntentMatch) -> String {
 /// whose name contains it. `progress` hears about slow steps.
 pub async fn run(cfg: &Config, files: &[PathBuf], filter: Option<&str>, progress: &dyn Fn(&str)) -> anyhow::Result<Vec<FileResult>> {
     let tables = fixture(cfg)?;
+    // Instructions are always counted here: each case reports them.
     let runtime = crate::runtime::Runtime::new(crate::runtime::RuntimeConfig {
         max_instances: 2,
+        count_instructions: true,
         ..cfg.runtime.clone()
     })?;
     let mut results = Vec::new();
@@ -616,7 +631,11 @@ pub fn render(results: &[FileResult]) -> String {
         ));
         for c in &f.cases {
             let mark = if c.passed { "ok  " } else { "FAIL" };
-            out.push_str(&format!("  {mark}  {} ({:.0} ms)\n", shown(&c.name), c.millis));
+            let ran = match c.report.as_ref().and_then(|r| r.instructions) {
+                Some(n) => format!(", {} instructions", crate::names::thousands(n)),
+                None => String::new(),
+            };
+            out.push_str(&format!("  {mark}  {} ({:.0} ms{ran})\n", shown(&c.name), c.millis));
             for p in &c.problems {
                 for line in p.lines() {
                     out.push_str(&format!("          {}\n", shown(line)));

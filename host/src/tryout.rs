@@ -27,6 +27,9 @@ pub struct TryReport {
     pub effects: Vec<Effect>,
     /// Reads the handler made.
     pub reads: u64,
+    /// Instructions the call ran, instantiation included (wasmtime fuel;
+    /// `None` when the runtime does not count them).
+    pub instructions: Option<u64>,
     /// For "retry": the delay the handler asked for.
     pub retry_after_ms: Option<u64>,
     /// The effects in words, one line each, timestamps as RFC 3339 times.
@@ -56,6 +59,7 @@ pub async fn run(
     let scope = ReadScope::new(tx, schema.clone(), Arc::new(grants.tables.clone())).with_limits(limits);
     let HandleOutput { scope, result } = handler.handle(&message, scope).await;
     let reads = scope.reads;
+    let instructions = scope.instructions;
     // As in a real run: a store error during a read decides the attempt
     // (the protocol re-runs or fails it), then a refused read, then the
     // handler's own result; the reason is worded as a real run words it.
@@ -72,6 +76,7 @@ pub async fn run(
         outcome: outcome.to_string(),
         reason,
         reads,
+        instructions,
         retry_after_ms,
         shown: effects.iter().map(show_effect).collect(),
         effects,

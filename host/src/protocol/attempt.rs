@@ -177,6 +177,9 @@ impl QueueRunner {
         let called = Instant::now();
         let HandleOutput { scope, result } = handler.handle(&lm.message, scope).await;
         hist_record(&self.metrics.handler_us, called.elapsed());
+        if let Some(n) = scope.instructions {
+            self.metrics.record_instructions(handler.version(), n);
+        }
         let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
         let mut tx = scope.into_transaction();

@@ -34,6 +34,9 @@ pub enum HandlerFailure {
     Deadline(Duration),
     /// The guest grew past its memory limit (`queue.memory`), in bytes.
     Memory(usize),
+    /// The call ran past its instruction budget (`queue.max_instructions`):
+    /// deterministic, so the message is dead-lettered at once.
+    Instructions(u64),
     /// A read the handler made was refused (even if it swallowed the error).
     Read(ReadError),
     /// An effect the handler returned was refused.
@@ -104,6 +107,7 @@ impl HandlerFailure {
             HandlerFailure::Exit(_) => "exit",
             HandlerFailure::Deadline(_) => "deadline",
             HandlerFailure::Memory(_) => "memory",
+            HandlerFailure::Instructions(_) => "instructions",
             HandlerFailure::Read(_) => "read_refused",
             HandlerFailure::Effect(_) => "effect_refused",
             HandlerFailure::Refused(_) => "write_refused",
@@ -145,6 +149,11 @@ impl std::fmt::Display for HandlerFailure {
                 crate::names::duration(*d)
             ),
             HandlerFailure::Memory(n) => write!(f, "handler grew past its memory limit of {} MiB (setting queue.memory)", n >> 20),
+            HandlerFailure::Instructions(n) => write!(
+                f,
+                "handler ran past its budget of {} instructions (setting queue.max_instructions)",
+                crate::names::thousands(*n)
+            ),
             HandlerFailure::Read(e) => write!(f, "handler failed: {e}"),
             HandlerFailure::Effect(e) => write!(f, "handler failed: bad effect: {e}"),
             HandlerFailure::Refused(m) => write!(f, "write refused by the database: {m}"),
@@ -246,6 +255,9 @@ pub struct ReadScope {
     pub reading: bool,
     /// Bytes of rows returned so far.
     pub read_bytes: usize,
+    /// Instructions the call ran (instantiation included), when the
+    /// runtime counts them.
+    pub instructions: Option<u64>,
     max_reads: u64,
     max_read_bytes: usize,
 }
@@ -261,6 +273,7 @@ impl ReadScope {
             reads: 0,
             reading: false,
             read_bytes: 0,
+            instructions: None,
             max_reads: super::EffectLimits::default().max_reads,
             max_read_bytes: super::EffectLimits::default().max_read_bytes,
         }

@@ -48,6 +48,9 @@ pub struct Metrics {
     /// Time inside the handler call (instantiation, reads, the call),
     /// microseconds, per attempt.
     pub handler_us: Mutex<Option<hdrhistogram::Histogram<u64>>>,
+    /// Instructions per handler call, by handler version (when the runtime
+    /// counts them).
+    pub instructions: Mutex<BTreeMap<String, hdrhistogram::Histogram<u64>>>,
     /// Failed store calls by error class ([`crate::store::StoreError::class`]).
     pub store_errors: Mutex<BTreeMap<&'static str, u64>>,
     /// When this queue last committed a message (Unix microseconds; 0:
@@ -173,6 +176,34 @@ impl Metrics {
     /// Outcomes per version so far.
     pub fn versions(&self) -> BTreeMap<String, VersionCounts> {
         self.by_version.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// One call of `version` ran `n` instructions.
+    pub(super) fn record_instructions(&self, version: &str, n: u64) {
+        if let Ok(mut m) = self.instructions.lock() {
+            if !m.contains_key(version) {
+                match hdrhistogram::Histogram::new(2) {
+                    Ok(h) => m.insert(version.to_string(), h),
+                    Err(_) => return,
+                };
+            }
+            if let Some(h) = m.get_mut(version) {
+                h.saturating_record(n.max(1));
+            }
+        }
+    }
+
+    /// Per version: calls counted, and the instructions at quantiles 0.5
+    /// and 0.99.
+    pub fn instruction_quantiles(&self) -> BTreeMap<String, (u64, u64, u64)> {
+        self.instructions
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .map(|(v, h)| (v.clone(), (h.len(), h.value_at_quantile(0.5), h.value_at_quantile(0.99))))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     pub(super) fn record_latency(&self, d: Duration) {

@@ -16,7 +16,8 @@
 //!   [`Policy::backoff`] (or the handler's own delay, capped by
 //!   `max_delay`), and dead-lettered at the last. Failures a re-run cannot
 //!   change (a reject, an invalid effect, a read of a table that is not
-//!   granted or does not exist, a malformed key) are dead-lettered at once.
+//!   granted or does not exist, a malformed key, an instruction budget
+//!   spent) are dead-lettered at once.
 //! - a **deferral** is a new delivery, later, after the host's own trouble
 //!   ([`HostTrouble`](super::handler::HostTrouble): the store failed or
 //!   stalled, contention outlasted the re-runs, resources ran out). It is
@@ -79,7 +80,7 @@ impl Policy {
         match failure {
             // Deterministic: the same message gives the same effects and
             // the same reads, so another attempt would fail the same way.
-            HandlerFailure::Reject(_) | HandlerFailure::Effect(_) => Next::DeadLetter,
+            HandlerFailure::Reject(_) | HandlerFailure::Effect(_) | HandlerFailure::Instructions(_) => Next::DeadLetter,
             HandlerFailure::Undelivered { retry: false, .. } => Next::DeadLetter,
             HandlerFailure::Read(e) if e.is_deterministic() => Next::DeadLetter,
             f if f.is_crash() && !self.retry_crashes => Next::DeadLetter,
