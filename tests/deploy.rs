@@ -182,6 +182,7 @@ tables = ["tally"]
     )
     .unwrap();
     let mut host = Host::new(dir);
+    host.token = Some("s3cret".into());
     host.ok(&["init"]).await;
     host.start().await;
     let (v1, v2) = (guest("tally_v1"), guest("tally_v2"));
@@ -368,6 +369,7 @@ async fn dev_builds_tests_and_hot_swaps_only_what_passes() {
     .unwrap();
     std::fs::write(d.join("tally.test.toml"), tally_case("tally-v1")).unwrap();
     let mut host = Host::new(dir);
+    host.token = Some("s3cret".into());
     host.ok(&["init"]).await;
     host.start().await;
     let (h1, h2) = (

@@ -199,6 +199,7 @@ fn the_configuration_reference_documents_exactly_the_keys_onceq_accepts() {
         "runtime",
         "admin",
         "deploy",
+        "audit",
         "outbox",
         "queue",
         "connector",

@@ -23,4 +23,5 @@ mod outbox;
 mod sandbox;
 mod spanner;
 mod store_conformance;
+mod teams;
 mod verdict;

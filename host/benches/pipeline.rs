@@ -366,6 +366,23 @@ impl Store for AckApart {
     async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
         self.0.dead_letter_replay(id).await
     }
+    async fn dead_letter_settle(
+        &self,
+        id: &str,
+        how: onceq::store::Settle,
+        audit: Option<&onceq::store::AuditEntry>,
+    ) -> StoreResult<Option<String>> {
+        self.0.dead_letter_settle(id, how, audit).await
+    }
+    async fn audit_append(&self, entry: &onceq::store::AuditEntry) -> StoreResult<()> {
+        self.0.audit_append(entry).await
+    }
+    async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<onceq::store::AuditEntry>> {
+        self.0.audit_list(queues, limit).await
+    }
+    async fn audit_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.0.audit_prune(age).await
+    }
     async fn message_list(&self, q: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
         self.0.message_list(q, limit).await
     }

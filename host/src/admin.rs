@@ -6,19 +6,25 @@
 //! | GET | `/healthz` | 200 while the process runs |
 //! | GET | `/readyz` | 200 once serving, the store answers and can take a write, and no queue is held back by the host's own trouble; 503 saying why otherwise |
 //! | GET | `/metrics` | Prometheus (OpenMetrics text) |
-//! | GET | `/v1/stats` | queue and outbox counts, as `onceq stats --json` |
+//! | GET | `/v1/stats` | queue and outbox counts, as `onceq stats --json` (the token's queues) |
 //! | GET | `/v1/queues/{queue}/versions` | deployments, newest first, the active one marked |
-//! | POST | `/v1/queues/{queue}/deploy[?label=L]` | body: the component; validated, then switched to |
+//! | POST | `/v1/queues/{queue}/deploy[?label=L]` | body: the component (its minisign signature, base64, in `Onceq-Signature`); validated, then switched to |
 //! | POST | `/v1/queues/{queue}/rollback` | back to the previous version |
+//! | GET | `/v1/dead[?queue=Q&limit=N]` | dead letters (and dead intents), newest first |
+//! | POST | `/v1/dead/{id}/replay` | back onto its queue |
+//! | POST | `/v1/dead/{id}/discard` | deleted |
+//! | GET | `/v1/audit[?queue=Q&limit=N]` | the audit trail, newest first |
 //!
-//! Mutating endpoints (POST) require `Authorization: Bearer <token>`, the
-//! token coming from `admin.token` or the environment (`admin.token_env`,
-//! default `ONCEQ_ADMIN_TOKEN`). Without a configured token they answer 401
-//! to everyone: deploys are off until an operator sets one. The token is
-//! checked before a byte of the body is read (a middleware in front of the
-//! handlers), and the body is then read up to `admin.max_upload` (413
-//! past it), so an unauthenticated client cannot make the host buffer
-//! anything.
+//! Every `/v1` endpoint takes `Authorization: Bearer <token>`: a token of
+//! `[[admin.tokens]]` (with a role and its queues, see [`crate::access`]),
+//! or `admin.token` (an admin of every queue). A request a token's role or
+//! queues do not allow is 403, naming what is missing. With no token
+//! configured, reads are open (loopback by default) and mutations answer
+//! 401 to everyone. The token is checked before a byte of the body is read
+//! (a middleware in front of the handlers), and the body is then read up
+//! to `admin.max_upload` (413 past it), so an unauthenticated client cannot
+//! make the host buffer anything. Every mutation, and every refusal of an
+//! authenticated one, is recorded in the audit trail (`onceq audit`).
 //!
 //! The server is bounded whatever its clients do: at most
 //! `admin.max_connections` connections are served at once (more wait in
@@ -31,7 +37,7 @@ use crate::outbox;
 use crate::protocol::QueueRunner;
 use crate::store::Store;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -52,7 +58,7 @@ const LATENCY_BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 /// `/readyz` can say what the host waits for) and is given the store, the
 /// runners and the deployer once they exist ([`Admin::serve_with`]).
 pub struct Admin {
-    pub token: Option<String>,
+    pub tokens: crate::access::Tokens,
     /// Largest request body accepted (`admin.max_upload`), read only after
     /// the token was checked.
     pub max_upload: usize,
@@ -79,9 +85,9 @@ impl std::fmt::Debug for Admin {
 }
 
 impl Admin {
-    pub fn new(token: Option<String>, max_upload: usize) -> Admin {
+    pub fn new(tokens: crate::access::Tokens, max_upload: usize) -> Admin {
         Admin {
-            token,
+            tokens,
             max_upload,
             serving: std::sync::OnceLock::new(),
             starting: std::sync::Mutex::new("starting".into()),
@@ -120,28 +126,85 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
 }
 
-/// Constant-time comparison of the presented token with the configured one.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Who a request comes from.
+#[derive(Clone, Debug)]
+pub enum Caller {
+    /// No token is configured on this host: reads only.
+    Open,
+    Token(Arc<crate::access::Token>),
 }
 
-/// `None` if the request carries the configured token, else the refusal.
-fn refusal(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
-    let Some(expected) = &admin.token else {
-        return Some(error(
-            StatusCode::UNAUTHORIZED,
-            "no admin token is configured on this host: set admin.token, or the variable named by admin.token_env (default ONCEQ_ADMIN_TOKEN)",
-        ));
-    };
+impl Caller {
+    /// The name the audit trail records.
+    fn name(&self) -> &str {
+        match self {
+            Caller::Open => "anonymous",
+            Caller::Token(t) => &t.name,
+        }
+    }
+
+    fn check(&self, action: Action, queue: Option<&str>) -> Result<(), String> {
+        match (self, action) {
+            (Caller::Open, Action::Read) => Ok(()),
+            (Caller::Open, _) => Err("no admin token is configured on this host".into()),
+            (Caller::Token(t), _) => t.check(action, queue),
+        }
+    }
+
+    fn covers(&self, queue: &str) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Token(t) => t.covers(queue),
+        }
+    }
+
+    fn is_admin(&self) -> bool {
+        match self {
+            Caller::Open => true,
+            Caller::Token(t) => t.role == crate::access::Role::Admin && t.covers("*"),
+        }
+    }
+}
+
+use crate::access::Action;
+
+/// The caller of a request, or the refusal (401).
+#[allow(clippy::result_large_err)]
+fn caller(admin: &Admin, headers: &HeaderMap, reading: bool) -> Result<Caller, Response> {
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     match presented {
-        Some(t) if same(t.as_bytes(), expected.as_bytes()) => None,
-        Some(_) => Some(error(StatusCode::UNAUTHORIZED, "wrong bearer token")),
-        None => Some(error(StatusCode::UNAUTHORIZED, "missing Authorization: Bearer <token>")),
+        Some(t) => match admin.tokens.find(t) {
+            Some(token) => Ok(Caller::Token(Arc::new(token.clone()))),
+            None => Err(error(StatusCode::UNAUTHORIZED, "wrong bearer token")),
+        },
+        None if admin.tokens.is_empty() && reading => Ok(Caller::Open),
+        None if admin.tokens.is_empty() => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "no admin token is configured on this host: set admin.token, [[admin.tokens]], or the variable named by admin.token_env (default ONCEQ_ADMIN_TOKEN)",
+        )),
+        None => Err(error(StatusCode::UNAUTHORIZED, "missing Authorization: Bearer <token>")),
     }
+}
+
+/// Record `entry` in the audit trail; a failure to is logged, not the
+/// caller's answer (the action happened, or was refused, already).
+async fn audit(store: &dyn Store, entry: crate::store::AuditEntry) {
+    if let Err(e) = store.audit_append(&entry).await {
+        tracing::warn!(action = %entry.action, actor = %entry.actor, "recording the audit entry failed: {e}");
+    }
+}
+
+/// 403 for `caller` doing `action` on `queue`, recorded in the audit trail.
+async fn forbidden(store: &dyn Store, caller: &Caller, action: &str, queue: Option<&str>, subject: &str, why: String) -> Response {
+    audit(
+        store,
+        crate::store::AuditEntry::now(caller.name(), action, queue, subject).with_result(format!("refused: {why}")),
+    )
+    .await;
+    error(StatusCode::FORBIDDEN, why)
 }
 
 fn deploy_error(e: DeployFailure) -> Response {
@@ -221,25 +284,33 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
     }
 }
 
-async fn stats(State(admin): State<Arc<Admin>>) -> Response {
+async fn stats(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>) -> Response {
     let serving = match admin.serving() {
         Ok(s) => s,
         Err(r) => return r,
     };
     match serving.store.stats().await {
         Ok(s) => {
-            let (queues, outbox) = outbox::inspect::split_stats(&s);
-            Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": serving.deployer.active() })).into_response()
+            // The token's queues only (an outbox by its queue's name).
+            let (mut queues, mut outbox) = outbox::inspect::split_stats(&s);
+            queues.retain(|q| caller.covers(&q.queue));
+            outbox.retain(|c| caller.covers(&crate::names::outbox_queue(&c.connector)));
+            let mut active = serving.deployer.active();
+            active.retain(|q, _| caller.covers(q));
+            Json(serde_json::json!({ "queues": queues, "outbox": outbox, "active_versions": active })).into_response()
         }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
 
-async fn versions(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
+async fn versions(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Path(queue): Path<String>) -> Response {
     let serving = match admin.serving() {
         Ok(s) => s,
         Err(r) => return r,
     };
+    if let Err(why) = caller.check(Action::Read, Some(&queue)) {
+        return error(StatusCode::FORBIDDEN, why);
+    }
     match serving.deployer.versions(&queue).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => deploy_error(e),
@@ -251,53 +322,234 @@ struct DeployQuery {
     label: Option<String>,
 }
 
-/// In front of every mutating route: refuse before the body is read.
-async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
-    match refusal(&admin, request.headers()) {
-        Some(r) => r,
-        None => next.run(request).await,
+/// In front of every `/v1` route: who is calling, refused (401) before
+/// the body is read.
+async fn authenticate(State(admin): State<Arc<Admin>>, mut request: Request, next: Next) -> Response {
+    let reading = request.method() == axum::http::Method::GET;
+    match caller(&admin, request.headers(), reading) {
+        Ok(c) => {
+            // A deploy's role and queue are checked before its body is
+            // read too: a viewer's upload is not buffered.
+            let path = request.uri().path().to_string();
+            let target = path
+                .strip_prefix("/v1/queues/")
+                .and_then(|rest| rest.strip_suffix("/deploy"))
+                .filter(|q| !q.contains('/'));
+            if let (false, Some(queue), Ok(serving)) = (reading, target, admin.serving()) {
+                if let Err(why) = c.check(Action::Deploy, Some(queue)) {
+                    return forbidden(serving.store.as_ref(), &c, "deploy", Some(queue), "", why).await;
+                }
+            }
+            request.extensions_mut().insert(c);
+            next.run(request).await
+        }
+        Err(r) => r,
     }
 }
 
-async fn deploy(State(admin): State<Arc<Admin>>, Path(queue): Path<String>, Query(q): Query<DeployQuery>, body: Bytes) -> Response {
+/// The header carrying a deploy's signature: the `.minisig` file, base64.
+pub const SIGNATURE_HEADER: &str = "onceq-signature";
+
+async fn deploy(
+    State(admin): State<Arc<Admin>>,
+    Extension(caller): Extension<Caller>,
+    Path(queue): Path<String>,
+    Query(q): Query<DeployQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let version = crate::deploy::version_of(&body);
+    if let Err(why) = caller.check(Action::Deploy, Some(&queue)) {
+        return forbidden(serving.store.as_ref(), &caller, "deploy", Some(&queue), &version, why).await;
+    }
     if body.is_empty() {
         return error(StatusCode::BAD_REQUEST, "the request body must be the component's bytes");
     }
-    let serving = match admin.serving() {
-        Ok(s) => s,
-        Err(r) => return r,
+    let signature = match headers.get(SIGNATURE_HEADER) {
+        None => None,
+        Some(v) => {
+            use base64::Engine;
+            match v
+                .to_str()
+                .ok()
+                .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s.trim()).ok())
+                .and_then(|b| String::from_utf8(b).ok())
+            {
+                Some(s) => Some(s),
+                None => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        format!("{SIGNATURE_HEADER}: not the base64 of a .minisig file"),
+                    )
+                }
+            }
+        }
     };
-    match serving.deployer.deploy(&queue, body.to_vec(), q.label, "api").await {
-        Ok(d) => Json(d).into_response(),
-        Err(e) => deploy_error(e),
+    let upload = crate::deploy::Upload {
+        bytes: body.to_vec(),
+        label: q.label,
+        source: "api".into(),
+        signature,
+        by: Some(caller.name().to_string()),
+    };
+    let r = serving.deployer.upload(&queue, upload).await;
+    deployed(serving, &caller, "deploy", &queue, &version, r).await
+}
+
+/// Answer a deploy or rollback, recording it in the audit trail.
+async fn deployed(
+    serving: &Serving,
+    caller: &Caller,
+    action: &str,
+    queue: &str,
+    version: &str,
+    r: Result<crate::deploy::Deployment, DeployFailure>,
+) -> Response {
+    let entry = |subject: &str| crate::store::AuditEntry::now(caller.name(), action, Some(queue), subject);
+    match r {
+        Ok(d) => {
+            audit(
+                serving.store.as_ref(),
+                entry(&d.version).with_signer(d.signer.as_ref().map(|s| s.to_string())),
+            )
+            .await;
+            Json(d).into_response()
+        }
+        Err(e) => {
+            audit(serving.store.as_ref(), entry(version).with_result(format!("failed: {e}"))).await;
+            deploy_error(e)
+        }
     }
 }
 
-async fn rollback(State(admin): State<Arc<Admin>>, Path(queue): Path<String>) -> Response {
+async fn rollback(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Path(queue): Path<String>) -> Response {
     let serving = match admin.serving() {
         Ok(s) => s,
         Err(r) => return r,
     };
-    match serving.deployer.rollback(&queue).await {
-        Ok(d) => Json(d).into_response(),
-        Err(e) => deploy_error(e),
+    if let Err(why) = caller.check(Action::Deploy, Some(&queue)) {
+        return forbidden(serving.store.as_ref(), &caller, "rollback", Some(&queue), "", why).await;
+    }
+    let r = serving.deployer.rollback_by(&queue, Some(caller.name().to_string())).await;
+    deployed(serving, &caller, "rollback", &queue, "", r).await
+}
+
+#[derive(serde::Deserialize)]
+struct ListQuery {
+    queue: Option<String>,
+    limit: Option<usize>,
+}
+
+fn listing(q: &ListQuery) -> crate::store::Queues<'_> {
+    match &q.queue {
+        Some(name) => crate::store::Queues::Named(name),
+        None => crate::store::Queues::All,
+    }
+}
+
+/// Most entries a listing returns.
+const MAX_LIST: usize = 1000;
+
+async fn dead_letters(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Query(q): Query<ListQuery>) -> Response {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    if let Some(name) = &q.queue {
+        if let Err(why) = caller.check(Action::Read, Some(name)) {
+            return error(StatusCode::FORBIDDEN, why);
+        }
+    }
+    match serving
+        .store
+        .dead_letter_list(listing(&q), q.limit.unwrap_or(50).min(MAX_LIST))
+        .await
+    {
+        Ok(mut list) => {
+            list.retain(|d| caller.covers(&d.queue));
+            Json(list).into_response()
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn settle(admin: Arc<Admin>, caller: Caller, id: String, how: crate::store::Settle) -> Response {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let action = match how {
+        crate::store::Settle::Replay => "replay",
+        crate::store::Settle::Discard => "discard",
+    };
+    let dead = match serving.store.dead_letter_get(&id).await {
+        Ok(Some(d)) => d,
+        Ok(None) => return error(StatusCode::NOT_FOUND, format!("no dead letter {}", crate::names::printable(&id))),
+        Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    };
+    if let Err(why) = caller.check(Action::Operate, Some(&dead.queue)) {
+        return forbidden(serving.store.as_ref(), &caller, action, Some(&dead.queue), &id, why).await;
+    }
+    let entry = crate::store::AuditEntry::now(caller.name(), action, Some(&dead.queue), &id);
+    match serving.store.dead_letter_settle(&id, how, Some(&entry)).await {
+        Ok(Some(_)) => Json(serde_json::json!({ "id": id, "queue": dead.queue, "action": action })).into_response(),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            format!("dead letter {} was replayed or discarded meanwhile", crate::names::printable(&id)),
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn replay(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+    settle(admin, caller, id, crate::store::Settle::Replay).await
+}
+
+async fn discard(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
+    settle(admin, caller, id, crate::store::Settle::Discard).await
+}
+
+/// The audit trail: a token sees the entries of its queues; entries about
+/// no queue, an admin of every queue only.
+async fn audit_trail(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Query(q): Query<ListQuery>) -> Response {
+    let serving = match admin.serving() {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match serving.store.audit_list(listing(&q), q.limit.unwrap_or(50).min(MAX_LIST)).await {
+        Ok(mut list) => {
+            list.retain(|e| match &e.queue {
+                Some(queue) => caller.covers(queue),
+                None => caller.is_admin(),
+            });
+            Json(list).into_response()
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
 
 /// The admin API's routes.
 pub fn router(admin: Arc<Admin>) -> Router {
-    let mutating = Router::new()
+    let v1 = Router::new()
+        .route("/v1/stats", get(stats))
+        .route("/v1/queues/{queue}/versions", get(versions))
         .route("/v1/queues/{queue}/deploy", post(deploy))
         .route("/v1/queues/{queue}/rollback", post(rollback))
+        .route("/v1/dead", get(dead_letters))
+        .route("/v1/dead/{id}/replay", post(replay))
+        .route("/v1/dead/{id}/discard", post(discard))
+        .route("/v1/audit", get(audit_trail))
         .layer(DefaultBodyLimit::max(admin.max_upload))
-        .route_layer(axum::middleware::from_fn_with_state(admin.clone(), require_token));
+        .route_layer(axum::middleware::from_fn_with_state(admin.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/v1/stats", get(stats))
-        .route("/v1/queues/{queue}/versions", get(versions))
-        .merge(mutating)
+        .merge(v1)
         .with_state(admin)
 }
 
@@ -672,9 +924,41 @@ impl Client {
     }
 
     pub async fn deploy(&self, queue: &str, component: Vec<u8>, label: Option<&str>) -> anyhow::Result<crate::deploy::Deployment> {
+        self.deploy_signed(queue, component, label, None).await
+    }
+
+    /// [`Self::deploy`] with the component's `.minisig` text.
+    pub async fn deploy_signed(
+        &self,
+        queue: &str,
+        component: Vec<u8>,
+        label: Option<&str>,
+        signature: Option<&str>,
+    ) -> anyhow::Result<crate::deploy::Deployment> {
         let mut req = self.http.post(format!("{}/v1/queues/{queue}/deploy", self.base)).body(component);
         if let Some(l) = label {
             req = req.query(&[("label", l)]);
+        }
+        if let Some(s) = signature {
+            use base64::Engine;
+            req = req.header(SIGNATURE_HEADER, base64::engine::general_purpose::STANDARD.encode(s));
+        }
+        Ok(serde_json::from_value(self.send(req).await?)?)
+    }
+
+    /// Replay (`replay`) or discard (`discard`) a dead letter.
+    pub async fn settle(&self, id: &str, action: &str) -> anyhow::Result<serde_json::Value> {
+        let req = self.http.post(format!("{}/v1/dead/{id}/{action}", self.base));
+        self.send(req).await
+    }
+
+    pub async fn audit(&self, queue: Option<&str>, limit: usize) -> anyhow::Result<Vec<crate::store::AuditEntry>> {
+        let mut req = self
+            .http
+            .get(format!("{}/v1/audit", self.base))
+            .query(&[("limit", limit.to_string())]);
+        if let Some(q) = queue {
+            req = req.query(&[("queue", q)]);
         }
         Ok(serde_json::from_value(self.send(req).await?)?)
     }

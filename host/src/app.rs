@@ -35,12 +35,31 @@ pub async fn open_store(cfg: &Config) -> anyhow::Result<Arc<dyn Store>> {
 /// window, delivered intents' keys past the retention).
 pub const PURGE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
-async fn purge_loop(store: Arc<dyn Store>, mut shutdown: crate::shutdown::Shutdown) {
+/// How often `onceq run` removes audit entries older than
+/// `audit.retention`.
+pub const AUDIT_PRUNE_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
+
+async fn purge_loop(store: Arc<dyn Store>, audit_retention: std::time::Duration, mut shutdown: crate::shutdown::Shutdown) {
+    let mut audit_pruned: Option<std::time::Instant> = None;
     while !shutdown.is_requested() {
         match store.dedup_purge().await {
             Ok(0) => {}
             Ok(n) => tracing::debug!("forgot {n} expired dedup keys"),
             Err(e) => tracing::warn!("purging expired dedup keys failed (will retry): {e}"),
+        }
+        if audit_pruned.is_none_or(|at| at.elapsed() >= AUDIT_PRUNE_EVERY) {
+            match store.audit_prune(audit_retention).await {
+                Ok(n) => {
+                    audit_pruned = Some(std::time::Instant::now());
+                    if n > 0 {
+                        tracing::info!(
+                            "removed {n} audit entries older than audit.retention ({})",
+                            crate::names::duration(audit_retention)
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!("pruning old audit entries failed (will retry): {e}"),
+            }
         }
         shutdown.sleep(crate::protocol::jittered(PURGE_EVERY)).await;
     }
@@ -119,7 +138,7 @@ pub async fn run(
     let mut background = tokio::task::JoinSet::new();
     // Background tasks (admin API, watcher, purge) stop on this one.
     let (stop_background, background_shutdown) = crate::shutdown::channel();
-    let admin = Arc::new(crate::admin::Admin::new(cfg.admin.token.clone(), cfg.admin.max_upload));
+    let admin = Arc::new(crate::admin::Admin::new(cfg.admin.tokens.clone(), cfg.admin.max_upload));
     let addr_file = cfg.state_dir.join("admin.addr");
     if let Some(listen) = &cfg.admin.listen {
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| {
@@ -128,7 +147,7 @@ pub async fn run(
         let addr = listener.local_addr()?;
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
-        tracing::info!(%addr, token = cfg.admin.token.is_some(), "admin API listening");
+        tracing::info!(%addr, tokens = cfg.admin.tokens.0.len(), "admin API listening");
         background.spawn(crate::admin::serve(
             admin.clone(),
             listener,
@@ -237,7 +256,7 @@ async fn serve(
     if let Some((dir, every)) = &cfg.watch {
         background.spawn(deployer.watch(dir.clone(), *every, background_shutdown.clone()));
     }
-    background.spawn(purge_loop(store, background_shutdown.clone()));
+    background.spawn(purge_loop(store, cfg.audit_retention, background_shutdown.clone()));
     tracing::info!(queues = host.runners.len(), store = %cfg.store, "serving");
     admin.set_ready();
     host.run(stop, until_empty, cfg.shutdown_grace).await;
@@ -246,7 +265,7 @@ async fn serve(
 
 /// A client of the running host's admin API, with the configured token.
 pub fn admin_client(cfg: &Config, flag: Option<&str>) -> anyhow::Result<crate::admin::Client> {
-    crate::admin::Client::new(&admin_url(cfg, flag)?, cfg.admin.token.clone())
+    crate::admin::Client::new(&admin_url(cfg, flag)?, cfg.admin.client_token())
 }
 
 /// Where a running host's admin API is: `--admin`, else `ONCEQ_ADMIN_URL`,

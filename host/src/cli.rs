@@ -208,6 +208,40 @@ enum Command {
     /// The `make run` demo: fresh database, example handlers, 10,000
     /// messages, a summary with invariant checks.
     Demo(crate::demo::DemoArgs),
+    /// Sign a component (minisign's format): writes COMPONENT.minisig,
+    /// which `onceq deploy`, the watched folder and `onceq run` send or
+    /// read beside it.
+    Sign {
+        component: PathBuf,
+        /// The secret key file (`onceq keygen`, or `minisign -G`).
+        #[arg(long)]
+        key: PathBuf,
+        /// The variable holding the key's password, if it has one.
+        #[arg(long, default_value = "ONCEQ_SIGN_PASSWORD")]
+        password_env: String,
+    },
+    /// Make a signing key pair: PREFIX.key (secret) and PREFIX.pub (for
+    /// deploy.trusted_keys).
+    Keygen {
+        prefix: PathBuf,
+        /// Protect the secret key with the password in this variable.
+        #[arg(long)]
+        password_env: Option<String>,
+    },
+    /// The audit trail, newest first: deploys, rollbacks, replays,
+    /// discards, who did them and how they ended.
+    Audit {
+        #[arg(long)]
+        queue: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+        /// Through a running host's admin API, as its token (the entries
+        /// of the token's queues); default: the database directly.
+        #[arg(long)]
+        admin: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -267,9 +301,20 @@ enum DlqCommand {
     Show {
         id: String,
     },
-    /// Put a dead letter back on its queue.
+    /// Put a dead letter back on its queue (recorded in the audit trail).
     Replay {
         id: String,
+        /// Through a running host's admin API, as its token (default: on
+        /// the database directly, recorded as local:USER).
+        #[arg(long)]
+        admin: Option<String>,
+    },
+    /// Delete a dead letter for good (recorded in the audit trail).
+    Discard {
+        id: String,
+        /// Through a running host's admin API, as its token.
+        #[arg(long)]
+        admin: Option<String>,
     },
 }
 
@@ -363,6 +408,35 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     let cfg = || Config::load(&path);
     match cli.command {
         Command::Demo(args) => crate::demo::run(args).await,
+        Command::Sign {
+            component,
+            key,
+            password_env,
+        } => {
+            let password = std::env::var(&password_env).ok().filter(|p| !p.is_empty());
+            let (path, signer) = crate::signing::sign(&component, &key, password)?;
+            println!("signed {} by {signer}: {}", component.display(), path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Keygen { prefix, password_env } => {
+            let password = match &password_env {
+                Some(var) => Some(
+                    std::env::var(var)
+                        .ok()
+                        .filter(|p| !p.is_empty())
+                        .with_context(|| format!("--password-env: the variable {var} is not set"))?,
+                ),
+                None => None,
+            };
+            let (public, id) = crate::signing::keygen(&prefix, password)?;
+            println!(
+                "wrote {} (secret: keep it out of the repository) and {}\nkey id {id}; trust it with:\n  [deploy]\n  trusted_keys = [\"{public}\"]",
+                prefix.with_extension("key").display(),
+                prefix.with_extension("pub").display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit { queue, limit, json, admin } => audit(&cfg()?, queue, limit, json, admin).await,
         Command::New { name, lang, dir, sdk } => new_project(&name, &lang, &dir, sdk.as_deref()),
         Command::Check { component } => check(&component, &path),
         Command::Cache {
@@ -818,10 +892,81 @@ async fn dlq(cfg: &Config, command: DlqCommand) -> anyhow::Result<ExitCode> {
             }
             None => anyhow::bail!("no dead letter with id {id}"),
         },
-        DlqCommand::Replay { id } => match store.dead_letter_replay(&id).await? {
-            Some(new_id) => println!("replayed {id}: back on its queue as {new_id}"),
-            None => anyhow::bail!("no dead letter with id {id}"),
-        },
+        DlqCommand::Replay { id, admin } => settle_dead(cfg, &*store, &id, crate::store::Settle::Replay, admin).await?,
+        DlqCommand::Discard { id, admin } => settle_dead(cfg, &*store, &id, crate::store::Settle::Discard, admin).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceq dlq replay|discard`: through the admin API with `--admin`, else
+/// on the database, recorded as `local:USER` in the same transaction.
+async fn settle_dead(
+    cfg: &Config,
+    store: &dyn crate::store::Store,
+    id: &str,
+    how: crate::store::Settle,
+    admin: Option<String>,
+) -> anyhow::Result<()> {
+    let (action, done) = match how {
+        crate::store::Settle::Replay => ("replay", "replayed"),
+        crate::store::Settle::Discard => ("discard", "discarded"),
+    };
+    let shown = printable(id);
+    if admin.is_some() {
+        let client = app::admin_client(cfg, admin.as_deref())?;
+        let r = client.settle(id, action).await?;
+        println!("{done} {shown} (queue {})", printable(r["queue"].as_str().unwrap_or("")));
+        return Ok(());
+    }
+    let Some(dead) = store.dead_letter_get(id).await? else {
+        anyhow::bail!("no dead letter with id {shown}");
+    };
+    let entry = crate::store::AuditEntry::now(&crate::store::local_actor(), action, Some(&dead.queue), id);
+    match store.dead_letter_settle(id, how, Some(&entry)).await? {
+        Some(_) if how == crate::store::Settle::Replay => println!("replayed {shown}: back on queue {}", printable(&dead.queue)),
+        Some(_) => println!("discarded {shown} (queue {})", printable(&dead.queue)),
+        None => anyhow::bail!("dead letter {shown} was replayed or discarded meanwhile"),
+    }
+    Ok(())
+}
+
+/// `onceq audit`.
+async fn audit(cfg: &Config, queue: Option<String>, limit: usize, json: bool, admin: Option<String>) -> anyhow::Result<ExitCode> {
+    let list = match admin {
+        Some(_) => app::admin_client(cfg, admin.as_deref())?.audit(queue.as_deref(), limit).await?,
+        None => {
+            let store = app::open_store(cfg).await?;
+            let sel = match &queue {
+                Some(q) => crate::store::Queues::Named(q),
+                None => crate::store::Queues::All,
+            };
+            store.audit_list(sel, limit).await?
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if list.is_empty() {
+        println!("no audit entries");
+        return Ok(ExitCode::SUCCESS);
+    }
+    for e in &list {
+        // Names, subjects and results may come from tokens, handlers'
+        // labels and errors: escaped.
+        println!(
+            "{}  {:<9} {:<16} {}  {}{}  {}",
+            crate::names::time(e.at),
+            printable(&e.action),
+            crate::names::truncated(&printable(&e.actor), 24),
+            e.queue.as_deref().map(printable).unwrap_or_else(|| "-".into()),
+            crate::names::truncated(&printable(&e.subject), 64),
+            e.signer
+                .as_deref()
+                .map(|s| format!(" signed by {}", printable(s)))
+                .unwrap_or_default(),
+            crate::names::truncated(&printable(&e.result), 200)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -901,11 +1046,15 @@ async fn deploy(cfg: &Config, queue: String, component: PathBuf, label: Option<S
             bytes.len() as f64 / (1 << 20) as f64
         );
     }
-    let d = client.deploy(&queue, bytes, label.as_deref()).await?;
+    // The signature beside the component, if there is one.
+    let signature = crate::signing::read_beside(&component)
+        .with_context(|| format!("reading {}", crate::signing::signature_path(&component).display()))?;
+    let d = client.deploy_signed(&queue, bytes, label.as_deref(), signature.as_deref()).await?;
     println!(
-        "deployed {} to {queue}{}: new leases use it; messages in flight finish on the previous version",
+        "deployed {} to {queue}{}{}: new leases use it; messages in flight finish on the previous version",
         d.version,
-        d.label.map(|l| format!(" ({})", crate::names::printable(&l))).unwrap_or_default()
+        d.label.map(|l| format!(" ({})", crate::names::printable(&l))).unwrap_or_default(),
+        d.signer.map(|s| format!(", signed by {s}")).unwrap_or_default()
     );
     Ok(ExitCode::SUCCESS)
 }

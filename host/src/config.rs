@@ -64,6 +64,27 @@ struct RawAdmin {
     token_env: Option<String>,
     max_connections: Option<usize>,
     header_timeout: Option<String>,
+    #[serde(default)]
+    tokens: Vec<RawToken>,
+}
+
+/// One `[[admin.tokens]]`: a name, a role, the queues it may touch, and
+/// its secret from the environment, a file, or as a SHA-256.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToken {
+    name: String,
+    role: String,
+    queues: Option<Vec<String>>,
+    secret_env: Option<String>,
+    secret_file: Option<PathBuf>,
+    sha256: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAudit {
+    retention: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -71,6 +92,9 @@ struct RawAdmin {
 struct RawDeploy {
     watch: Option<PathBuf>,
     poll: Option<String>,
+    #[serde(default)]
+    trusted_keys: Vec<String>,
+    require_signature: Option<bool>,
 }
 
 /// Settings a queue can set, or inherit from `[defaults]`.
@@ -179,6 +203,8 @@ struct RawConfig {
     admin: RawAdmin,
     #[serde(default)]
     deploy: RawDeploy,
+    #[serde(default)]
+    audit: RawAudit,
     #[serde(default, rename = "connector")]
     connectors: Vec<RawConnector>,
 }
@@ -256,10 +282,18 @@ pub struct Config {
     pub admin: AdminConfig,
     /// Folder watched for `<queue>.wasm` handler files, and how often.
     pub watch: Option<(PathBuf, Duration)>,
+    /// The keys components must be signed by (`deploy.trusted_keys`,
+    /// `deploy.require_signature`).
+    pub trust: crate::signing::Trust,
+    /// How long audit entries are kept (`audit.retention`).
+    pub audit_retention: Duration,
     /// After SIGINT/SIGTERM, how long in-flight messages may take to finish
     /// before the host exits anyway (their leases then expire).
     pub shutdown_grace: Duration,
 }
+
+/// Default `audit.retention`.
+pub const AUDIT_RETENTION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Default `shutdown_grace`.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(15);
@@ -284,8 +318,14 @@ fn at_most(key: &str, d: Duration, max: Duration) -> anyhow::Result<Duration> {
 pub struct AdminConfig {
     /// Where to listen (`None`: no admin API).
     pub listen: Option<String>,
-    /// The bearer token mutating endpoints require (`None`: they refuse).
+    /// `admin.token` (or the variable `admin.token_env` names): an admin
+    /// token named `admin`, and what the CLI sends.
     pub token: Option<String>,
+    /// Every token the host accepts: `[[admin.tokens]]`, and `admin.token`
+    /// as `admin`. None: reads are open, mutations refused.
+    pub tokens: crate::access::Tokens,
+    /// The variable the CLI's own token is read from first.
+    pub token_env: String,
     /// Largest request body (a component upload) accepted, after the token
     /// was checked.
     pub max_upload: usize,
@@ -664,7 +704,7 @@ impl RawOutbox {
 impl RawAdmin {
     /// `[admin]`: the address (default loopback, `"off"` for none), the
     /// token (from the file or the environment) and the upload limit.
-    fn resolve(&self) -> anyhow::Result<AdminConfig> {
+    fn resolve(&self, base: &Path) -> anyhow::Result<AdminConfig> {
         let max_upload = match &self.max_upload {
             Some(m) => parse_size("admin.max_upload", m)?,
             None => ADMIN_MAX_UPLOAD,
@@ -702,12 +742,81 @@ impl RawAdmin {
         if limits.header_timeout.is_zero() {
             bail!("admin.header_timeout must be more than zero");
         }
+        let mut tokens = Vec::new();
+        if let Some(t) = &token {
+            tokens.push(
+                crate::access::Token::new("admin", crate::access::Role::Admin, vec!["*".into()], crate::access::digest(t))
+                    .map_err(anyhow::Error::msg)?,
+            );
+        }
+        for t in &self.tokens {
+            tokens.push(t.resolve(base)?);
+        }
+        for (i, t) in tokens.iter().enumerate() {
+            if tokens[..i].iter().any(|o| o.name == t.name) {
+                bail!("admin.tokens: two tokens are named {} (admin.token is named admin)", t.name);
+            }
+        }
         Ok(AdminConfig {
             listen,
             token,
+            tokens: crate::access::Tokens(tokens),
+            token_env: self.token_env.clone().unwrap_or_else(|| ADMIN_TOKEN_ENV.to_string()),
             max_upload,
             limits,
         })
+    }
+}
+
+impl AdminConfig {
+    /// The token the CLI sends: from the environment (`admin.token_env`,
+    /// default `ONCEQ_ADMIN_TOKEN`) when set, else `admin.token`.
+    pub fn client_token(&self) -> Option<String> {
+        std::env::var(&self.token_env)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| self.token.clone())
+    }
+}
+
+impl RawToken {
+    fn resolve(&self, base: &Path) -> anyhow::Result<crate::access::Token> {
+        let name = &self.name;
+        let role = crate::access::Role::parse(&self.role).with_context(|| {
+            format!(
+                "admin.tokens {name}: role {:?} is not admin, deployer, operator or viewer",
+                self.role
+            )
+        })?;
+        let digest = match (&self.secret_env, &self.secret_file, &self.sha256) {
+            (Some(var), None, None) => match std::env::var(var) {
+                Ok(s) if !s.is_empty() => crate::access::digest(&s),
+                _ => bail!("admin.tokens {name}: the variable {var} (secret_env) is not set"),
+            },
+            (None, Some(file), None) => {
+                let path = resolve(base, file);
+                let s = std::fs::read_to_string(&path)
+                    .with_context(|| format!("admin.tokens {name}: reading secret_file {}", path.display()))?;
+                let s = s.trim_end_matches(['\n', '\r']);
+                if s.is_empty() {
+                    bail!("admin.tokens {name}: secret_file {} is empty", path.display());
+                }
+                crate::access::digest(s)
+            }
+            (None, None, Some(hex)) => {
+                let bytes: Vec<u8> = (0..hex.len())
+                    .step_by(2)
+                    .filter_map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+                    .collect();
+                match <[u8; 32]>::try_from(bytes.as_slice()) {
+                    Ok(d) if hex.len() == 64 => d,
+                    _ => bail!("admin.tokens {name}: sha256 must be 64 hex digits (the SHA-256 of the secret, as `sha256sum` prints it)"),
+                }
+            }
+            _ => bail!("admin.tokens {name}: give exactly one of secret_env, secret_file or sha256"),
+        };
+        crate::access::Token::new(name, role, self.queues.clone().unwrap_or_else(|| vec!["*".into()]), digest)
+            .map_err(|e| anyhow::anyhow!("admin.tokens: {e}"))
     }
 }
 
@@ -763,8 +872,13 @@ impl Config {
             outbox: raw.outbox.resolve()?,
             connectors,
             state_dir,
-            admin: raw.admin.resolve()?,
+            admin: raw.admin.resolve(base)?,
+            audit_retention: match &raw.audit.retention {
+                Some(r) => parse_duration("audit.retention", r)?,
+                None => AUDIT_RETENTION,
+            },
             watch: raw.deploy.resolve(base)?,
+            trust: crate::signing::Trust::parse(&raw.deploy.trusted_keys, raw.deploy.require_signature.unwrap_or(false), base)?,
             shutdown_grace: match &raw.shutdown_grace {
                 Some(g) => at_most("shutdown_grace", parse_duration("shutdown_grace", g)?, MAX_LEASE)?,
                 None => SHUTDOWN_GRACE,

@@ -43,6 +43,25 @@ pub struct Deployment {
     /// When, in milliseconds since the Unix epoch (host clock).
     pub at_ms: u64,
     pub size: u64,
+    /// Who signed the component, when the host checks signatures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signer: Option<crate::signing::Signer>,
+    /// The admin token that deployed it (its name), or `local:USER`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// What a deploy is given besides the queue.
+#[derive(Debug, Clone, Default)]
+pub struct Upload {
+    pub bytes: Vec<u8>,
+    pub label: Option<String>,
+    /// "api", "watch" or "rollback".
+    pub source: String,
+    /// The component's `.minisig` text, if it came with one.
+    pub signature: Option<String>,
+    /// Who asked (a token's name).
+    pub by: Option<String>,
 }
 
 /// A row of `onceq versions`.
@@ -98,6 +117,11 @@ fn check_label(label: &str) -> Result<(), DeployFailure> {
     Ok(())
 }
 
+/// A short hash of a signature's text (what the watcher remembers).
+fn version_of_str(s: &str) -> String {
+    version_of(s.as_bytes())
+}
+
 /// The content hash that names a version.
 pub fn version_of(bytes: &[u8]) -> String {
     let d = sha2::Sha256::digest(bytes);
@@ -129,6 +153,7 @@ struct Slot {
 /// Deploys, rolls back and lists the versions of this host's queues.
 pub struct Deployer {
     runtime: Arc<Runtime>,
+    trust: crate::signing::Trust,
     dir: PathBuf,
     slots: BTreeMap<String, Slot>,
     history: tokio::sync::Mutex<History>,
@@ -141,6 +166,11 @@ impl Deployer {
 
     fn component_path(&self, version: &str) -> PathBuf {
         self.dir.join("components").join(format!("{version}.wasm"))
+    }
+
+    /// A stored component's signature, kept beside it.
+    fn stored_signature(path: &Path) -> Option<String> {
+        crate::signing::read_beside(path).ok().flatten()
     }
 
     fn load_history(dir: &Path) -> anyhow::Result<History> {
@@ -172,7 +202,7 @@ impl Deployer {
         for q in &cfg.queues {
             let mut deployment = None;
             let runner = q.runner(store, |q| {
-                let (handler, d) = Self::initial(&dir, &runtime, q, history.queues.get(&q.name))?;
+                let (handler, d) = Self::initial(&dir, &runtime, &cfg.trust, q, history.queues.get(&q.name))?;
                 deployment = d;
                 Ok(handler)
             })?;
@@ -191,6 +221,7 @@ impl Deployer {
         Self::save_history(&dir, &history)?;
         let deployer = Arc::new(Deployer {
             runtime,
+            trust: cfg.trust.clone(),
             dir,
             slots,
             history: tokio::sync::Mutex::new(history),
@@ -203,6 +234,7 @@ impl Deployer {
     fn initial(
         dir: &Path,
         runtime: &Runtime,
+        trust: &crate::signing::Trust,
         q: &QueueConfig,
         past: Option<&Vec<Deployment>>,
     ) -> anyhow::Result<(Arc<dyn Handler>, Option<Deployment>)> {
@@ -217,6 +249,10 @@ impl Deployer {
                 let path = dir.join("components").join(format!("{}.wasm", active.version));
                 match std::fs::read(&path) {
                     Ok(b) => {
+                        // Checked again: the trusted keys may have changed.
+                        trust
+                            .check(&b, Self::stored_signature(&path).as_deref())
+                            .map_err(|e| anyhow::anyhow!("queue {}: deployed version {} refused: {e}", q.name, active.version))?;
                         let h = runtime
                             .load(&b, q.limits)
                             .map_err(|e| anyhow::anyhow!("queue {}: deployed version {} refused: {e}", q.name, active.version))?;
@@ -231,11 +267,20 @@ impl Deployer {
                 }
             }
         }
+        let signature = crate::signing::read_beside(&q.handler)
+            .with_context(|| format!("queue {}: reading the signature of {}", q.name, q.handler.display()))?;
+        let signer = trust
+            .check(&bytes, signature.as_deref())
+            .map_err(|e| anyhow::anyhow!("queue {}: handler {} refused: {e}", q.name, q.handler.display()))?;
         let h = runtime
             .load(&bytes, q.limits)
             .map_err(|e| anyhow::anyhow!("queue {}: handler {} refused: {e}", q.name, q.handler.display()))?;
-        write_atomic(&dir.join("components").join(format!("{version}.wasm")), &bytes)
-            .with_context(|| format!("storing version {version} in {}", dir.display()))?;
+        let stored = dir.join("components").join(format!("{version}.wasm"));
+        write_atomic(&stored, &bytes).with_context(|| format!("storing version {version} in {}", dir.display()))?;
+        if let Some(s) = &signature {
+            write_atomic(&crate::signing::signature_path(&stored), s.as_bytes())
+                .with_context(|| format!("storing version {version}'s signature in {}", dir.display()))?;
+        }
         let record = if active.map(|a| a.version.as_str()) == Some(version.as_str()) {
             None
         } else {
@@ -245,6 +290,8 @@ impl Deployer {
                 source: "config".into(),
                 at_ms: now_ms(),
                 size: bytes.len() as u64,
+                signer,
+                by: None,
             })
         };
         Ok((Arc::new(h), record))
@@ -264,7 +311,28 @@ impl Deployer {
         label: Option<String>,
         source: &'a str,
     ) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
+        self.upload(
+            queue,
+            Upload {
+                bytes,
+                label,
+                source: source.to_string(),
+                ..Default::default()
+            },
+        )
+    }
+
+    /// [`Self::deploy`] with a signature and who asked.
+    pub fn upload<'a>(&'a self, queue: &'a str, upload: Upload) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
         Box::pin(async move {
+            let Upload {
+                bytes,
+                label,
+                source,
+                signature,
+                by,
+            } = upload;
+            let source = source.as_str();
             let slot = self
                 .slots
                 .get(queue)
@@ -273,6 +341,13 @@ impl Deployer {
                 check_label(l)?;
             }
             let version = version_of(&bytes);
+            let signer = self.trust.check(&bytes, signature.as_deref()).map_err(|e| {
+                tracing::warn!(queue, version = %version, source, "deploy refused, the running version keeps serving: {e}");
+                DeployFailure::Refused {
+                    version: version.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
             let (runtime, limits) = (self.runtime.clone(), slot.limits);
             let compiled = {
                 let bytes = bytes.clone();
@@ -303,12 +378,22 @@ impl Deployer {
             }
             write_atomic(&self.component_path(&version), &bytes)
                 .map_err(|e| DeployFailure::Internal(format!("storing version {version}: {e}")))?;
+            let sig_path = crate::signing::signature_path(&self.component_path(&version));
+            match &signature {
+                Some(s) => write_atomic(&sig_path, s.as_bytes())
+                    .map_err(|e| DeployFailure::Internal(format!("storing version {version}'s signature: {e}")))?,
+                None => {
+                    let _ = std::fs::remove_file(&sig_path);
+                }
+            }
             let d = Deployment {
                 version,
                 label,
                 source: source.to_string(),
                 at_ms: now_ms(),
                 size: bytes.len() as u64,
+                signer,
+                by,
             };
             let old = slot.runner.swap_handler(Arc::new(handler));
             let entries = history.queues.entry(queue.to_string()).or_default();
@@ -321,6 +406,7 @@ impl Deployer {
             for f in forgotten {
                 if !history.queues.values().flatten().any(|e| e.version == f.version) {
                     let _ = std::fs::remove_file(self.component_path(&f.version));
+                    let _ = std::fs::remove_file(crate::signing::signature_path(&self.component_path(&f.version)));
                 }
             }
             tracing::info!(
@@ -337,6 +423,11 @@ impl Deployer {
 
     /// Switch `queue` back to the version active before the current one.
     pub fn rollback<'a>(&'a self, queue: &'a str) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
+        self.rollback_by(queue, None)
+    }
+
+    /// [`Self::rollback`], saying who asked.
+    pub fn rollback_by<'a>(&'a self, queue: &'a str, by: Option<String>) -> crate::BoxFuture<'a, Result<Deployment, DeployFailure>> {
         Box::pin(async move {
             if !self.slots.contains_key(queue) {
                 return Err(DeployFailure::UnknownQueue(queue.to_string()));
@@ -352,9 +443,22 @@ impl Deployer {
                     .cloned()
                     .ok_or_else(|| DeployFailure::NothingToRollBack(queue.to_string()))?
             };
-            let bytes = std::fs::read(self.component_path(&previous.version))
+            let path = self.component_path(&previous.version);
+            let bytes = std::fs::read(&path)
                 .map_err(|e| DeployFailure::Internal(format!("version {} is no longer stored on this host: {e}", previous.version)))?;
-            self.deploy(queue, bytes, previous.label, "rollback").await
+            // Its signature is checked again: a key removed from the
+            // trusted ones since cannot come back through a rollback.
+            self.upload(
+                queue,
+                Upload {
+                    bytes,
+                    label: previous.label,
+                    source: "rollback".into(),
+                    signature: Self::stored_signature(&path),
+                    by,
+                },
+            )
+            .await
         })
     }
 
@@ -390,14 +494,19 @@ impl Deployer {
     /// Watch `dir` for `<queue>.wasm` files and deploy each new content
     /// (source "watch"). A refused file is logged once per content.
     pub async fn watch(self: Arc<Self>, dir: PathBuf, every: Duration, mut stop: crate::shutdown::Shutdown) {
-        let mut seen: BTreeMap<String, (u64, Option<std::time::SystemTime>)> = BTreeMap::new();
+        type Stamp = (u64, Option<std::time::SystemTime>);
+        let stamp_of = |m: &std::fs::Metadata| -> Stamp { (m.len(), m.modified().ok()) };
+        let mut seen: BTreeMap<String, (Stamp, Option<Stamp>)> = BTreeMap::new();
         let mut refused: BTreeMap<String, String> = BTreeMap::new();
         tracing::info!(dir = %dir.display(), "watching for handler files (<queue>.wasm)");
         while !stop.is_requested() {
             for queue in self.queues() {
                 let path = dir.join(format!("{queue}.wasm"));
                 let Ok(meta) = std::fs::metadata(&path) else { continue };
-                let stamp = (meta.len(), meta.modified().ok());
+                // The signature beside it counts too: a .minisig that lands
+                // after its component is seen.
+                let sig_path = crate::signing::signature_path(&path);
+                let stamp = (stamp_of(&meta), std::fs::metadata(&sig_path).ok().map(|m| stamp_of(&m)));
                 if seen.get(&queue) == Some(&stamp) {
                     continue;
                 }
@@ -411,18 +520,36 @@ impl Deployer {
                         continue;
                     }
                 };
-                let version = version_of(&bytes);
+                let signature = match crate::signing::read_beside(&path) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::error!(queue = %queue, file = %sig_path.display(), "watched handler's signature not read: {e}");
+                        seen.insert(queue, stamp);
+                        continue;
+                    }
+                };
+                let version = format!(
+                    "{}{}",
+                    version_of(&bytes),
+                    signature.as_deref().map(version_of_str).unwrap_or_default()
+                );
                 if refused.get(&queue) == Some(&version) {
                     seen.insert(queue, stamp);
                     continue;
                 }
-                match self.deploy(&queue, bytes, None, "watch").await {
+                let upload = Upload {
+                    bytes,
+                    source: "watch".into(),
+                    signature,
+                    ..Default::default()
+                };
+                match self.upload(&queue, upload).await {
                     Ok(_) => {
                         seen.insert(queue.clone(), stamp);
                         refused.remove(&queue);
                     }
-                    Err(DeployFailure::Refused { version, reason }) => {
-                        tracing::error!(queue = %queue, file = %path.display(), "watched handler refused, version {version}: {reason}");
+                    Err(DeployFailure::Refused { version: v, reason }) => {
+                        tracing::error!(queue = %queue, file = %path.display(), "watched handler refused, version {v}: {reason}");
                         seen.insert(queue.clone(), stamp);
                         refused.insert(queue, version);
                     }

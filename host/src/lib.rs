@@ -33,6 +33,7 @@
 
 // The engine: what runs messages exactly once, public for the tests,
 // the benchmarks and the handler test kit.
+pub mod access;
 pub mod config;
 pub mod deploy;
 pub mod host;
@@ -41,6 +42,7 @@ pub mod protocol;
 pub mod runtime;
 pub mod schema;
 pub mod shutdown;
+pub mod signing;
 pub mod store;
 pub mod value;
 

@@ -50,6 +50,9 @@ pub struct Host {
     pub dir: tempfile::TempDir,
     pub child: Option<tokio::process::Child>,
     pub http: reqwest::Client,
+    /// The bearer token [`Host::get`] sends (a host with tokens configured
+    /// answers `/v1` reads only with one).
+    pub token: Option<String>,
 }
 
 impl Host {
@@ -77,6 +80,7 @@ impl Host {
             dir,
             child: None,
             http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(),
+            token: None,
         }
     }
 
@@ -141,7 +145,11 @@ impl Host {
     }
 
     pub async fn get(&self, path: &str) -> (u16, String) {
-        let r = self.http.get(self.url(path)).send().await.unwrap();
+        let mut req = self.http.get(self.url(path));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        let r = req.send().await.unwrap();
         (r.status().as_u16(), r.text().await.unwrap())
     }
 

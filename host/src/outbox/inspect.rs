@@ -83,8 +83,14 @@ pub async fn replay(store: &dyn Store, id: &str) -> anyhow::Result<Entry> {
     if entry.state != "dead" {
         bail!("intent {id} is {}: only dead intents can be replayed", entry.state);
     }
+    let audit = crate::store::AuditEntry::now(
+        &crate::store::local_actor(),
+        "replay",
+        Some(&crate::names::outbox_queue(&entry.intent.connector)),
+        id,
+    );
     store
-        .dead_letter_replay(id)
+        .dead_letter_settle(id, crate::store::Settle::Replay, Some(&audit))
         .await?
         .with_context(|| format!("intent {id} was replayed or removed meanwhile"))?;
     Ok(entry)

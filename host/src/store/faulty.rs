@@ -236,8 +236,17 @@ impl Store for FaultyStore {
     async fn dead_letter_get(&self, id: &str) -> StoreResult<Option<DeadLetter>> {
         self.inner.dead_letter_get(id).await
     }
-    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
-        self.inner.dead_letter_replay(id).await
+    async fn dead_letter_settle(&self, id: &str, how: Settle, audit: Option<&AuditEntry>) -> StoreResult<Option<String>> {
+        self.inner.dead_letter_settle(id, how, audit).await
+    }
+    async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
+        self.inner.audit_append(entry).await
+    }
+    async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>> {
+        self.inner.audit_list(queues, limit).await
+    }
+    async fn audit_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.inner.audit_prune(age).await
     }
     async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
         self.inner.message_list(queues, limit).await

@@ -222,6 +222,73 @@ pub struct RetryParams {
     pub failed: bool,
 }
 
+/// What [`Store::dead_letter_settle`] does with a dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Back onto its queue, deliveries and failures reset.
+    Replay,
+    /// Deleted, for good.
+    Discard,
+}
+
+/// One entry of the audit trail: who did what to which queue, and how it
+/// ended. Written by the admin API and the CLI's mutating verbs; no API
+/// deletes it (`audit.retention` prunes old entries).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AuditEntry {
+    /// When, in microseconds since the Unix epoch (the acting host's clock).
+    pub at: i64,
+    /// The admin token's name, or `local:USER` for a CLI verb run against
+    /// the database directly.
+    pub actor: String,
+    /// `deploy`, `rollback`, `replay`, `discard`, `intent-replay`...
+    pub action: String,
+    pub queue: Option<String>,
+    /// What it acted on: a component's version, a message id.
+    pub subject: String,
+    /// Who signed the deployed component.
+    pub signer: Option<String>,
+    /// `ok`, or why it did not happen.
+    pub result: String,
+}
+
+impl AuditEntry {
+    /// An entry stamped now.
+    pub fn now(actor: &str, action: &str, queue: Option<&str>, subject: &str) -> AuditEntry {
+        AuditEntry {
+            at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX)),
+            actor: actor.to_string(),
+            action: action.to_string(),
+            queue: queue.map(str::to_string),
+            subject: subject.to_string(),
+            signer: None,
+            result: "ok".into(),
+        }
+    }
+
+    pub fn with_result(mut self, result: impl Into<String>) -> AuditEntry {
+        self.result = crate::names::truncated(&result.into(), 1024);
+        self
+    }
+
+    pub fn with_signer(mut self, signer: Option<String>) -> AuditEntry {
+        self.signer = signer;
+        self
+    }
+}
+
+/// Who runs a CLI verb against the database directly: `local:USER`.
+pub fn local_actor() -> String {
+    format!(
+        "local:{}",
+        std::env::var("USER")
+            .or_else(|_| std::env::var("LOGNAME"))
+            .unwrap_or_else(|_| "unknown".into())
+    )
+}
+
 /// Which queues a listing covers.
 #[derive(Debug, Clone, Copy)]
 pub enum Queues<'a> {
@@ -426,7 +493,25 @@ pub trait Store: Send + Sync + 'static {
     /// reset), in one
     /// transaction. Returns the new message id, or `None` if there was no
     /// such dead letter.
-    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>>;
+    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+        self.dead_letter_settle(id, Settle::Replay, None).await
+    }
+
+    /// Replay or discard a dead letter, recording `audit` in the same
+    /// transaction when it happened. `None` if there was no such dead
+    /// letter (nothing is recorded then).
+    async fn dead_letter_settle(&self, id: &str, how: Settle, audit: Option<&AuditEntry>) -> StoreResult<Option<String>>;
+
+    /// Add an entry to the audit trail (its own transaction).
+    async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()>;
+
+    /// The audit trail, newest first; `queues` keeps entries about those
+    /// queues (entries about no queue only with [`Queues::All`]).
+    async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>>;
+
+    /// Remove audit entries older than `age` (`audit.retention`); returns
+    /// how many. No API calls it: only the host's retention chore.
+    async fn audit_prune(&self, age: Duration) -> StoreResult<u64>;
 
     /// Messages on their queues (ready, delayed or leased), oldest first.
     async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>>;

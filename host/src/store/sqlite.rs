@@ -116,6 +116,26 @@ const COUNTS_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_counts (
     last_at INTEGER NOT NULL
 );";
 
+/// The audit trail (`onceq audit`), also created on open for databases
+/// made before it.
+const AUDIT_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at_us INTEGER NOT NULL,
+    actor TEXT NOT NULL,
+    action TEXT NOT NULL,
+    queue TEXT,
+    subject TEXT NOT NULL,
+    signer TEXT,
+    result TEXT NOT NULL
+);";
+
+fn audit_insert(c: &Connection, e: &AuditEntry) -> StoreResult<()> {
+    c.prepare_cached("INSERT INTO onceq_audit (at_us, actor, action, queue, subject, signer, result) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)")
+        .and_then(|mut s| s.execute(params![e.at, e.actor, e.action, e.queue, e.subject, e.signer, e.result]))
+        .map(|_| ())
+        .map_err(classify)
+}
+
 /// Bytes of the database file mapped into memory per connection.
 const MMAP_SIZE: u64 = 256 << 20;
 
@@ -565,6 +585,8 @@ impl SqliteStore {
         // those made before failures were counted apart, the column.
         conn.execute_batch(COUNTS_DDL)
             .with_context(|| format!("adding the processed counts to {}", path.display()))?;
+        conn.execute_batch(AUDIT_DDL)
+            .with_context(|| format!("adding the audit trail to {}", path.display()))?;
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
         // The committer holds the store weakly: dropping the store stops it.
@@ -1172,22 +1194,77 @@ impl Store for SqliteStore {
         })
     }
 
-    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+    async fn dead_letter_settle(&self, id: &str, how: Settle, audit: Option<&AuditEntry>) -> StoreResult<Option<String>> {
         self.write(|c| {
+            if how == Settle::Replay {
+                let n = c
+                    .prepare_cached(&format!(
+                        "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
+                         SELECT id, queue, payload, attributes, 0, enqueued_at, {NOW}, 0 FROM onceq_dead_letters WHERE id = ?1"
+                    ))
+                    .and_then(|mut s| s.execute(params![id]))
+                    .map_err(classify)?;
+                if n == 0 {
+                    return Ok(None);
+                }
+            }
             let n = c
-                .prepare_cached(&format!(
-                    "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
-                     SELECT id, queue, payload, attributes, 0, enqueued_at, {NOW}, 0 FROM onceq_dead_letters WHERE id = ?1"
-                ))
+                .prepare_cached("DELETE FROM onceq_dead_letters WHERE id = ?1")
                 .and_then(|mut s| s.execute(params![id]))
                 .map_err(classify)?;
             if n == 0 {
                 return Ok(None);
             }
-            c.prepare_cached("DELETE FROM onceq_dead_letters WHERE id = ?1")
-                .and_then(|mut s| s.execute(params![id]))
-                .map_err(classify)?;
+            if let Some(e) = audit {
+                audit_insert(c, e)?;
+            }
             Ok(Some(id.to_string()))
+        })
+        .await
+    }
+
+    async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
+        self.write(|c| audit_insert(c, entry)).await
+    }
+
+    async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>> {
+        let cond = match queues {
+            Queues::All => "?1 = ''",
+            Queues::Named(_) => "queue = ?1",
+            Queues::Prefix(_) => "substr(queue, 1, length(?1)) = ?1",
+        };
+        let q = match queues {
+            Queues::All => String::new(),
+            Queues::Named(n) | Queues::Prefix(n) => n.to_string(),
+        };
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT at_us, actor, action, queue, subject, signer, result FROM onceq_audit WHERE {cond} ORDER BY seq DESC LIMIT ?2"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![q, limit.min(i64::MAX as usize) as i64], |r| {
+                    Ok(AuditEntry {
+                        at: r.get(0)?,
+                        actor: r.get(1)?,
+                        action: r.get(2)?,
+                        queue: r.get(3)?,
+                        subject: r.get(4)?,
+                        signer: r.get(5)?,
+                        result: r.get(6)?,
+                    })
+                })
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn audit_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.write(|c| {
+            c.execute(&format!("DELETE FROM onceq_audit WHERE at_us < {NOW} - ?1"), params![micros(age)])
+                .map(|n| n as u64)
+                .map_err(classify)
         })
         .await
     }

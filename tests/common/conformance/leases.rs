@@ -233,4 +233,42 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
     assert_eq!(s.dead_letter_replay(&d.id).await.unwrap(), None);
     let back = lease(s, "q", 1, 10_000).await.remove(0);
     assert_eq!((back.message.attempt, back.message.payload.as_slice()), (1, b"poison".as_slice()));
+
+    // Discarded, with its audit entry in the same transaction; a discard
+    // of nothing records nothing.
+    use onceq::store::{AuditEntry, Settle};
+    s.message_dead_letter(
+        &back.lease,
+        DeadLetterParams {
+            reason: "poison again".into(),
+            handler_version: None,
+            failed: true,
+        },
+    )
+    .await
+    .unwrap();
+    let entry = AuditEntry::now("ops", "discard", Some("q"), &d.id);
+    assert_eq!(
+        s.dead_letter_settle(&d.id, Settle::Discard, Some(&entry)).await.unwrap().as_deref(),
+        Some(d.id.as_str())
+    );
+    assert_eq!(s.dead_letter_settle(&d.id, Settle::Discard, Some(&entry)).await.unwrap(), None);
+    assert!(s.dead_letter_get(&d.id).await.unwrap().is_none());
+    assert!(lease(s, "q", 1, 10_000).await.is_empty(), "a discarded letter is not replayed");
+    s.audit_append(&AuditEntry::now("deployer", "deploy", None, "v2").with_signer(Some("key 1234".into())))
+        .await
+        .unwrap();
+    let trail = s.audit_list(Queues::All, 10).await.unwrap();
+    assert_eq!(trail.len(), 2, "{trail:?}");
+    assert_eq!((trail[0].action.as_str(), trail[0].signer.as_deref()), ("deploy", Some("key 1234")));
+    assert_eq!(trail[1], entry);
+    assert_eq!(s.audit_list(Queues::Named("q"), 10).await.unwrap(), vec![entry]);
+    assert_eq!(
+        s.audit_prune(std::time::Duration::from_secs(3600)).await.unwrap(),
+        0,
+        "recent entries are kept"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    assert_eq!(s.audit_prune(std::time::Duration::ZERO).await.unwrap(), 2);
+    assert!(s.audit_list(Queues::All, 10).await.unwrap().is_empty());
 }

@@ -34,6 +34,7 @@ pub fn system_ddl(expiry: SpannerExpiry) -> Vec<String> {
         COUNTS_DDL,
         CHORES_DDL,
         SETTINGS_DDL,
+        AUDIT_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -73,6 +74,13 @@ pub(super) const CHORES_DDL: &str = "CREATE TABLE onceq_chores (
 pub(super) const SETTINGS_DDL: &str = "CREATE TABLE onceq_settings (
             name STRING(64) NOT NULL, value STRING(MAX) NOT NULL
          ) PRIMARY KEY (name)";
+
+/// The audit trail (`onceq audit`): a random id spreads the inserts; no
+/// index (entries are few, listed newest first by a scan).
+pub(super) const AUDIT_DDL: &str = "CREATE TABLE onceq_audit (
+            id STRING(64) NOT NULL, at_us INT64 NOT NULL, actor STRING(MAX) NOT NULL, action STRING(64) NOT NULL,
+            queue STRING(256), subject STRING(MAX) NOT NULL, signer STRING(MAX), result STRING(MAX) NOT NULL
+         ) PRIMARY KEY (id)";
 
 /// The processed counts (`onceq stats`): `spanner_count_rows` rows per queue,
 /// each batch commit adding to one at random, so hosts seldom contend for
@@ -456,6 +464,9 @@ impl SpannerStore {
         }
         if has("onceq_messages", "id") && !has("onceq_settings", "name") {
             ddl.push(SETTINGS_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+        if has("onceq_messages", "id") && !has("onceq_audit", "id") {
+            ddl.push(AUDIT_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
         }
         if ddl.is_empty() {
             return Ok(());

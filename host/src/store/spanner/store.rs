@@ -366,7 +366,7 @@ impl Store for SpannerStore {
         Ok(self.query_rows(stmt, &t).await?.into_iter().next().map(dead_letter_from))
     }
 
-    async fn dead_letter_replay(&self, id: &str) -> StoreResult<Option<String>> {
+    async fn dead_letter_settle(&self, id: &str, how: Settle, audit: Option<&AuditEntry>) -> StoreResult<Option<String>> {
         let shard = shard_of(id, self.shards);
         let copy = Statement::builder(format!(
             "INSERT INTO onceq_messages (shard, id, queue, payload, attributes, attempt, enqueued_at, visible_at, failures)
@@ -378,18 +378,105 @@ impl Store for SpannerStore {
         let delete = Statement::builder("DELETE FROM onceq_dead_letters WHERE id = @id")
             .add_param("id", id.to_string())
             .build();
+        let record = audit.map(audit_insert);
         let id = id.to_string();
         self.rw("a replay", move |tx| {
-            let (copy, delete, id) = (copy.clone(), delete.clone(), id.clone());
+            let (copy, delete, id, record) = (copy.clone(), delete.clone(), id.clone(), record.clone());
             async move {
-                if tx.execute_update(copy).await? == 0 {
+                if how == Settle::Replay && tx.execute_update(copy).await? == 0 {
                     return Ok(None);
                 }
-                tx.execute_update(delete).await?;
+                if tx.execute_update(delete).await? == 0 {
+                    return Ok(None);
+                }
+                if let Some(r) = record {
+                    tx.execute_update(r).await?;
+                }
                 Ok(Some(id))
             }
         })
         .await
+    }
+
+    async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
+        let stmt = audit_insert(entry);
+        self.rw("an audit entry", move |tx| {
+            let stmt = stmt.clone();
+            async move { tx.execute_update(stmt).await.map(|_| ()) }
+        })
+        .await
+    }
+
+    async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>> {
+        use ColumnType::*;
+        let t = Self::system_table(
+            "onceq_audit",
+            &[
+                ("at_us", Int64),
+                ("actor", String),
+                ("action", String),
+                ("queue", String),
+                ("subject", String),
+                ("signer", String),
+                ("result", String),
+            ],
+        );
+        let (cond, q) = queue_condition(queues);
+        let stmt = Statement::builder(format!(
+            "SELECT at_us, actor, action, queue, subject, signer, result FROM onceq_audit WHERE {cond} ORDER BY at_us DESC, id LIMIT @n"
+        ))
+        .add_param("q", q)
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self
+            .query_rows(stmt, &t)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
+                let opt = |i: usize| match get(i) {
+                    Value::String(s) => Some(s),
+                    _ => None,
+                };
+                AuditEntry {
+                    at: match get(0) {
+                        Value::Int64(n) => n,
+                        _ => 0,
+                    },
+                    actor: opt(1).unwrap_or_default(),
+                    action: opt(2).unwrap_or_default(),
+                    queue: opt(3),
+                    subject: opt(4).unwrap_or_default(),
+                    signer: opt(5),
+                    result: opt(6).unwrap_or_default(),
+                }
+            })
+            .collect())
+    }
+
+    /// Partitioned DML, like the dedup purge: no commit limit to reach
+    /// however many entries are old.
+    async fn audit_prune(&self, age: Duration) -> StoreResult<u64> {
+        let stmt = Statement::builder(format!("DELETE FROM onceq_audit WHERE at_us < {NOW} - @age"))
+            .add_param("age", micros(age))
+            .build();
+        let pool = self.pool.clone();
+        let deleted = self
+            .pool
+            .in_turn(move || async move {
+                let c = pool.get().await?;
+                tokio::time::timeout(PURGE_DEADLINE, c.partitioned_dml_transaction().build().execute_update(stmt))
+                    .await
+                    .map_err(|_| {
+                        StoreError::Unavailable(format!(
+                            "the audit prune: no answer within {}",
+                            crate::names::duration(PURGE_DEADLINE)
+                        ))
+                    })?
+                    .map_err(classify)
+            })
+            .await?;
+        Ok(deleted.max(0) as u64)
     }
 
     async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
@@ -519,6 +606,23 @@ pub(super) async fn counts_by_queue(c: &DatabaseClient, sql: String) -> StoreRes
 
 /// A `WHERE` condition on `queue` for a selection, with `@q` bound to the
 /// returned text.
+/// The statement adding `e` to the audit trail (a random id: entries
+/// spread over the key space).
+fn audit_insert(e: &AuditEntry) -> Statement {
+    Statement::builder(
+        "INSERT INTO onceq_audit (id, at_us, actor, action, queue, subject, signer, result) VALUES (@id, @at, @actor, @action, @queue, @subject, @signer, @result)",
+    )
+    .add_param("id", crate::value::random_id())
+    .add_param("at", e.at)
+    .add_param("actor", e.actor.clone())
+    .add_param("action", e.action.clone())
+    .add_param("queue", e.queue.clone())
+    .add_param("subject", e.subject.clone())
+    .add_param("signer", e.signer.clone())
+    .add_param("result", e.result.clone())
+    .build()
+}
+
 pub(super) fn queue_condition(q: Queues<'_>) -> (&'static str, String) {
     match q {
         Queues::All => ("@q = ''", String::new()),
