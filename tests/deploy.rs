@@ -257,6 +257,11 @@ tables = ["tally"]
     assert!(m[r#"onceq_handler_duration_seconds_count{queue="tally"}"#] >= 50.0);
     assert!(m[r#"onceq_handler_duration_seconds_bucket{le="+Inf",queue="tally"}"#] >= 50.0);
     assert_eq!(m[r#"onceq_in_flight{queue="tally"}"#], 0.0);
+    let key = format!("onceq_handler_instructions{{queue=\"tally\",version=\"{h2}\",quantile=\"0.5\"}}");
+    let ran = *m
+        .get(&key)
+        .unwrap_or_else(|| panic!("{key} in {:?}", m.keys().filter(|k| k.contains("instr")).collect::<Vec<_>>()));
+    assert!(ran > 100.0, "instructions per call are exported per version: {ran}");
     let (batches, committed) = (m["onceq_commit_batches_total"], m["onceq_commit_messages_total"]);
     assert!(
         batches >= 1.0 && committed >= 50.0,

@@ -188,7 +188,11 @@ impl Metrics {
                 };
             }
             if let Some(h) = m.get_mut(version) {
-                h.saturating_record(n.max(1));
+                // `record` grows the auto-resizing histogram to fit;
+                // `saturating_record` alone would clamp to its current top.
+                if h.record(n.max(1)).is_err() {
+                    h.saturating_record(n.max(1));
+                }
             }
         }
     }

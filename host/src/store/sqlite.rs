@@ -117,9 +117,11 @@ const COUNTS_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_counts (
 );";
 
 /// The audit trail (`onceq audit`), also created on open for databases
-/// made before it.
+/// made before it. `seq` is the rowid (newest is highest); not
+/// AUTOINCREMENT, which would add SQLite's `sqlite_sequence` table beside
+/// the business tables.
 const AUDIT_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_audit (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq INTEGER PRIMARY KEY,
     at_us INTEGER NOT NULL,
     actor TEXT NOT NULL,
     action TEXT NOT NULL,
