@@ -133,6 +133,11 @@ tables = ["tally"]
         why.contains("token tally-viewer (role viewer) may not deploy") && why.contains("needs role deployer or admin"),
         "{why}"
     );
+    let (status, why) = post(&host, "/v1/queues/tally/rollback", "view-tally", vec![]).await;
+    assert_eq!(status, 403, "{why}");
+    // An encoded queue name is refused, not matched against the patterns raw.
+    let (status, why) = post(&host, "/v1/queues/tall%79/deploy", "deploy-tally", v2.clone()).await;
+    assert_eq!(status, 400, "{why}");
     let (status, why) = post(&host, "/v1/queues/other/deploy", "deploy-tally", v2.clone()).await;
     assert_eq!(status, 403, "{why}");
     assert!(
@@ -196,6 +201,10 @@ tables = ["tally"]
         "{out}"
     );
     assert!(has("tally-deployer", "deploy", "other", "refused"), "{out}");
+    assert!(
+        has("tally-viewer", "rollback", "tally", "refused: token tally-viewer (role viewer)"),
+        "{out}"
+    );
     assert!(has("tally-deployer", "deploy", "tally", "ok"), "{out}");
     assert!(has("tally-operator", "replay", "tally", "ok"), "{out}");
     assert!(has("tally-operator", "discard", "tally", "ok"), "{out}");

@@ -914,19 +914,7 @@ async fn instruction_counting(root: &Path, component: &Path, dir: &Path, schema:
         "\n| payments in | instructions per message (median) | dispatch median, not counted | dispatch median, counted | counted / not |"
     );
     println!("|---|---|---|---|---|");
-    for (lang, key, path) in [
-        ("Rust", "rust", component.to_path_buf()),
-        (
-            "Python (componentize-py)",
-            "python",
-            root.join("guest-examples/target/python/payments.wasm"),
-        ),
-        (
-            "JavaScript (componentize-js)",
-            "js",
-            root.join("guest-examples/target/js/payments.wasm"),
-        ),
-    ] {
+    for (lang, key, path) in payments_components(root, component) {
         if !path.exists() {
             println!("| {lang} | not built ({}) | | | |", path.display());
             continue;
@@ -970,6 +958,24 @@ async fn instruction_counting(root: &Path, component: &Path, dir: &Path, schema:
     }
 }
 
+/// The payments handler in each guest language: its name, its history
+/// key, its component.
+fn payments_components(root: &Path, component: &Path) -> [(&'static str, &'static str, std::path::PathBuf); 3] {
+    [
+        ("Rust", "rust", component.to_path_buf()),
+        (
+            "Python (componentize-py)",
+            "python",
+            root.join("guest-examples/target/python/payments.wasm"),
+        ),
+        (
+            "JavaScript (componentize-js)",
+            "js",
+            root.join("guest-examples/target/js/payments.wasm"),
+        ),
+    ]
+}
+
 /// Median and p99 of `calls` dispatches, after a tenth as many to warm up.
 async fn warm_dispatch(handler: &dyn Handler, schema: Arc<Schema>, calls: usize) -> (u64, u64) {
     let _ = dispatch(handler, schema.clone(), calls / 10).await;
@@ -984,19 +990,7 @@ async fn languages(root: &Path, component: &Path, dir: &Path, schema: Arc<Schema
     let lang_calls = (calls / 10).max(200);
     println!("\n| payments in | component | compile (cold) | load after a restart (cache) | dispatch median | dispatch p99 | dispatch median, `reset_dirty_pages = false` | pipeline, 1 worker ({ln} messages) |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (lang, key, path) in [
-        ("Rust", "rust", component.to_path_buf()),
-        (
-            "Python (componentize-py)",
-            "python",
-            root.join("guest-examples/target/python/payments.wasm"),
-        ),
-        (
-            "JavaScript (componentize-js)",
-            "js",
-            root.join("guest-examples/target/js/payments.wasm"),
-        ),
-    ] {
+    for (lang, key, path) in payments_components(root, component) {
         if !path.exists() {
             println!("| {lang} | not built ({}) | | | | | | |", path.display());
             continue;

@@ -328,16 +328,25 @@ async fn authenticate(State(admin): State<Arc<Admin>>, mut request: Request, nex
     let reading = request.method() == axum::http::Method::GET;
     match caller(&admin, request.headers(), reading) {
         Ok(c) => {
-            // A deploy's role and queue are checked before its body is
-            // read too: a viewer's upload is not buffered.
+            // A deploy's and a rollback's role and queue are checked here,
+            // before the body is read: a viewer's upload is not buffered.
             let path = request.uri().path().to_string();
-            let target = path
-                .strip_prefix("/v1/queues/")
-                .and_then(|rest| rest.strip_suffix("/deploy"))
-                .filter(|q| !q.contains('/'));
-            if let (false, Some(queue), Ok(serving)) = (reading, target, admin.serving()) {
+            let target = path.strip_prefix("/v1/queues/").and_then(|rest| {
+                let (queue, action) = rest.split_once('/')?;
+                matches!(action, "deploy" | "rollback").then_some((queue, action))
+            });
+            if let (false, Some((queue, action)), Ok(serving)) = (reading, target, admin.serving()) {
+                // Checked as the route will see it: a queue name never
+                // needs percent-encoding, so an encoded one is refused
+                // rather than matched against the token's patterns raw.
+                if queue.contains('%') {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "a queue name is letters, digits, '.', '-' and '_': nothing to percent-encode",
+                    );
+                }
                 if let Err(why) = c.check(Action::Deploy, Some(queue)) {
-                    return forbidden(serving.store.as_ref(), &c, "deploy", Some(queue), "", why).await;
+                    return forbidden(serving.store.as_ref(), &c, action, Some(queue), "", why).await;
                 }
             }
             request.extensions_mut().insert(c);
@@ -362,10 +371,8 @@ async fn deploy(
         Ok(s) => s,
         Err(r) => return r,
     };
+    // Role and queue were checked by `authenticate`.
     let version = crate::deploy::version_of(&body);
-    if let Err(why) = caller.check(Action::Deploy, Some(&queue)) {
-        return forbidden(serving.store.as_ref(), &caller, "deploy", Some(&queue), &version, why).await;
-    }
     if body.is_empty() {
         return error(StatusCode::BAD_REQUEST, "the request body must be the component's bytes");
     }
@@ -431,9 +438,7 @@ async fn rollback(State(admin): State<Arc<Admin>>, Extension(caller): Extension<
         Ok(s) => s,
         Err(r) => return r,
     };
-    if let Err(why) = caller.check(Action::Deploy, Some(&queue)) {
-        return forbidden(serving.store.as_ref(), &caller, "rollback", Some(&queue), "", why).await;
-    }
+    // Role and queue were checked by `authenticate`.
     let r = serving.deployer.rollback_by(&queue, Some(caller.name().to_string())).await;
     deployed(serving, &caller, "rollback", &queue, "", r).await
 }

@@ -117,11 +117,6 @@ fn check_label(label: &str) -> Result<(), DeployFailure> {
     Ok(())
 }
 
-/// A short hash of a signature's text (what the watcher remembers).
-fn version_of_str(s: &str) -> String {
-    version_of(s.as_bytes())
-}
-
 /// The content hash that names a version.
 pub fn version_of(bytes: &[u8]) -> String {
     let d = sha2::Sha256::digest(bytes);
@@ -531,7 +526,7 @@ impl Deployer {
                 let version = format!(
                     "{}{}",
                     version_of(&bytes),
-                    signature.as_deref().map(version_of_str).unwrap_or_default()
+                    signature.as_deref().map(|s| version_of(s.as_bytes())).unwrap_or_default()
                 );
                 if refused.get(&queue) == Some(&version) {
                     seen.insert(queue, stamp);

@@ -1230,15 +1230,7 @@ impl Store for SqliteStore {
     }
 
     async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>> {
-        let cond = match queues {
-            Queues::All => "?1 = ''",
-            Queues::Named(_) => "queue = ?1",
-            Queues::Prefix(_) => "substr(queue, 1, length(?1)) = ?1",
-        };
-        let q = match queues {
-            Queues::All => String::new(),
-            Queues::Named(n) | Queues::Prefix(n) => n.to_string(),
-        };
+        let (cond, q) = queue_condition(queues, 1);
         self.read(|c| {
             let mut stmt = c
                 .prepare_cached(&format!(

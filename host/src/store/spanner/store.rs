@@ -5,6 +5,23 @@
 use super::*;
 
 impl SpannerStore {
+    /// Run a `DELETE` as Partitioned DML, in the emulator's turn, within
+    /// [`PURGE_DEADLINE`]; how many rows it removed.
+    async fn partitioned_delete(&self, what: &'static str, stmt: Statement) -> StoreResult<u64> {
+        let pool = self.pool.clone();
+        let deleted = self
+            .pool
+            .in_turn(move || async move {
+                let c = pool.get().await?;
+                tokio::time::timeout(PURGE_DEADLINE, c.partitioned_dml_transaction().build().execute_update(stmt))
+                    .await
+                    .map_err(|_| StoreError::Unavailable(format!("{what}: no answer within {}", crate::names::duration(PURGE_DEADLINE))))?
+                    .map_err(classify)
+            })
+            .await?;
+        Ok(deleted.max(0) as u64)
+    }
+
     /// `UPDATE onceq_messages SET <set> WHERE <lease>`: exactly one row, or
     /// `LeaseLost`.
     pub(super) async fn guarded_update(&self, what: &str, lease: &Lease, set: &str, n: i64, text: Option<String>) -> StoreResult<()> {
@@ -460,23 +477,7 @@ impl Store for SpannerStore {
         let stmt = Statement::builder(format!("DELETE FROM onceq_audit WHERE at_us < {NOW} - @age"))
             .add_param("age", micros(age))
             .build();
-        let pool = self.pool.clone();
-        let deleted = self
-            .pool
-            .in_turn(move || async move {
-                let c = pool.get().await?;
-                tokio::time::timeout(PURGE_DEADLINE, c.partitioned_dml_transaction().build().execute_update(stmt))
-                    .await
-                    .map_err(|_| {
-                        StoreError::Unavailable(format!(
-                            "the audit prune: no answer within {}",
-                            crate::names::duration(PURGE_DEADLINE)
-                        ))
-                    })?
-                    .map_err(classify)
-            })
-            .await?;
-        Ok(deleted.max(0) as u64)
+        self.partitioned_delete("the audit prune", stmt).await
     }
 
     async fn message_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<QueuedMessage>> {
@@ -521,23 +522,7 @@ impl Store for SpannerStore {
             return Ok(0);
         }
         let stmt = Statement::builder(format!("DELETE FROM onceq_dedup WHERE expires_at <= {NOW}")).build();
-        let pool = self.pool.clone();
-        let deleted = self
-            .pool
-            .in_turn(move || async move {
-                let c = pool.get().await?;
-                tokio::time::timeout(PURGE_DEADLINE, c.partitioned_dml_transaction().build().execute_update(stmt))
-                    .await
-                    .map_err(|_| {
-                        StoreError::Unavailable(format!(
-                            "the dedup purge: no answer within {}",
-                            crate::names::duration(PURGE_DEADLINE)
-                        ))
-                    })?
-                    .map_err(classify)
-            })
-            .await?;
-        Ok(deleted.max(0) as u64)
+        self.partitioned_delete("the dedup purge", stmt).await
     }
 
     async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>> {
