@@ -28,13 +28,27 @@ JS_GUESTS    := payments inventory fixtures/sdk
 MDBOOK_VERSION := 0.4.52
 MDBOOK       := tools/mdbook/bin/mdbook
 
-.PHONY: all tools guests guests-python guests-js build install run run-spanner test test-build chaos bench sim docs lint fmt clean emulator
+.PHONY: all tools browser screenshots guests guests-python guests-js build install run run-spanner test test-build chaos bench sim docs lint fmt clean emulator
 
 all: build guests
 
 ## tools: install the Wasm target the guests build for
 tools:
 	@rustup target list --installed | grep -qx $(GUEST_TARGET) || rustup target add $(GUEST_TARGET)
+
+## browser: headless Chromium and its WebDriver for the console's browser
+## tests (Debian's chromium and chromium-driver), installed when missing
+browser:
+	@command -v chromedriver >/dev/null && command -v chromium >/dev/null || { \
+		echo "== installing chromium and chromium-driver (the console's browser tests)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; }
+
+## screenshots: the console's pages as the browser test saw them, into the docs
+screenshots: browser guests
+	$(CARGO) test $(TEST_PROFILE) --test integration -- console::
+	mkdir -p docs/src/console
+	cp target/console-screenshots/*.png docs/src/console/
 
 ## guests: build the guest SDK, the examples and the test fixtures (own
 ## workspace), the Python examples when python3 is present and the
@@ -105,7 +119,7 @@ run-spanner: guests build
 test:
 	@# The guests (wasm, componentize-js/py) and the host's test build share
 	@# nothing: built side by side, then every test runs.
-	$(MAKE) --no-print-directory -j2 guests test-build
+	$(MAKE) --no-print-directory -j2 guests test-build browser
 	tests/with-spanner-emulator.sh $(CARGO) test $(TEST_PROFILE) --workspace
 	@echo "== exactly-once and outbox again with every message committed alone (commit.max_batch = 1)"
 	ONCEQ_TEST_MAX_BATCH=1 $(CARGO) test $(TEST_PROFILE) --test integration -- exactly_once:: outbox::

@@ -13,6 +13,7 @@ mod common;
 mod accounting;
 mod chaos;
 mod cli;
+mod console;
 mod deploy;
 mod docs;
 mod exactly_once;

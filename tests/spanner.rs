@@ -44,6 +44,11 @@ async fn spanner_dead_letter_and_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_browse_and_pause() {
+    suite::browse_and_pause(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_failures_and_deliveries_are_counted_apart() {
     suite::failures_and_deliveries_are_counted_apart(db().await).await
 }

@@ -39,6 +39,11 @@ async fn sqlite_dead_letter_and_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_browse_and_pause() {
+    suite::browse_and_pause(db().store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_failures_and_deliveries_are_counted_apart() {
     suite::failures_and_deliveries_are_counted_apart(db().store).await
 }

@@ -389,6 +389,24 @@ impl Store for AckApart {
     async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
         self.0.message_get(id).await
     }
+    async fn message_browse(
+        &self,
+        queue: &str,
+        state: onceq::store::LiveState,
+        after: Option<&onceq::store::BrowseKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<QueuedMessage>> {
+        self.0.message_browse(queue, state, after, limit).await
+    }
+    async fn dead_letter_browse(&self, queue: &str, after: Option<&onceq::store::BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.0.dead_letter_browse(queue, after, limit).await
+    }
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool> {
+        self.0.queue_pause(queue, pause, audit).await
+    }
+    async fn queue_paused(&self) -> StoreResult<Vec<onceq::store::PausedQueue>> {
+        self.0.queue_paused().await
+    }
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
         self.0.table_rows(table).await
     }

@@ -147,7 +147,7 @@ pub async fn run(
         let addr = listener.local_addr()?;
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         std::fs::write(&addr_file, addr.to_string()).with_context(|| format!("writing {}", addr_file.display()))?;
-        tracing::info!(%addr, tokens = cfg.admin.tokens.0.len(), "admin API listening");
+        tracing::info!(%addr, tokens = cfg.admin.tokens.0.len(), "admin API listening; console at http://{addr}/console/");
         background.spawn(crate::admin::serve(
             admin.clone(),
             listener,
@@ -252,6 +252,7 @@ async fn serve(
         store: store.clone(),
         runners: host.runners.clone(),
         deployer: deployer.clone(),
+        outbox_retention: cfg.outbox.retention,
     });
     if let Some((dir, every)) = &cfg.watch {
         background.spawn(deployer.watch(dir.clone(), *every, background_shutdown.clone()));

@@ -85,6 +85,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Pause a queue: no host leases from it until `onceq resume` (what
+    /// hosts hold finishes). Recorded in the audit trail.
+    Pause {
+        queue: String,
+        /// Through a running host's admin API, as its token (default: on
+        /// the database directly, recorded as local:USER).
+        #[arg(long)]
+        admin: Option<String>,
+    },
+    /// Resume a paused queue.
+    Resume {
+        queue: String,
+        /// Through a running host's admin API, as its token.
+        #[arg(long)]
+        admin: Option<String>,
+    },
     /// Inspect and replay dead letters.
     Dlq {
         #[command(subcommand)]
@@ -455,6 +471,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run { until_empty } => run(&cfg()?, until_empty).await,
         Command::Stats { json } => stats(&cfg()?, json).await,
         Command::Dlq { command } => dlq(&cfg()?, command).await,
+        Command::Pause { queue, admin } => pause(&cfg()?, &queue, true, admin).await,
+        Command::Resume { queue, admin } => pause(&cfg()?, &queue, false, admin).await,
         Command::Peek { queue, limit, json } => peek(&cfg()?, &queue, limit, json).await,
         Command::Deploy {
             queue,
@@ -928,6 +946,32 @@ async fn settle_dead(
         None => anyhow::bail!("dead letter {shown} was replayed or discarded meanwhile"),
     }
     Ok(())
+}
+
+/// `onceq pause|resume`: through the admin API with `--admin`, else on the
+/// database, recorded as `local:USER` in the same transaction. Hosts see
+/// it within [`crate::protocol::PAUSE_POLL`].
+async fn pause(cfg: &Config, queue: &str, pause: bool, admin: Option<String>) -> anyhow::Result<ExitCode> {
+    let (action, done) = if pause { ("pause", "paused") } else { ("resume", "resumed") };
+    crate::names::check_queue(queue).map_err(|e| anyhow::anyhow!("queue {}: {e}", printable(queue)))?;
+    let changed = if admin.is_some() {
+        let r = app::admin_client(cfg, admin.as_deref())?.pause(queue, pause).await?;
+        r["changed"].as_bool().unwrap_or(true)
+    } else {
+        let store = app::open_store(cfg).await?;
+        let entry = crate::store::AuditEntry::now(&crate::store::local_actor(), action, Some(queue), "");
+        store.queue_pause(queue, pause, Some(&entry)).await?
+    };
+    match (changed, pause) {
+        (true, true) => println!(
+            "{done} {}: hosts lease nothing from it within {}s (`onceq resume` to go on)",
+            printable(queue),
+            crate::protocol::PAUSE_POLL.as_secs()
+        ),
+        (true, false) => println!("{done} {}", printable(queue)),
+        (false, _) => println!("{} was {done} already", printable(queue)),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `onceq audit`.

@@ -171,6 +171,9 @@ pub struct QueueRunner {
     /// The last lease of any worker found the queue empty: only then does
     /// `--until-empty` ask the store whether work is left.
     drained: AtomicBool,
+    /// Paused (`onceq pause`): workers lease nothing; what they hold
+    /// finishes.
+    paused: AtomicBool,
     /// Held by the one worker polling an idle queue; holds the backoff
     /// ([`worker`]).
     poll_gate: tokio::sync::Mutex<Duration>,
@@ -194,9 +197,20 @@ impl QueueRunner {
             metrics: Arc::new(Metrics::default()),
             idle: Arc::new(tokio::sync::Notify::new()),
             drained: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
             poll_gate: tokio::sync::Mutex::new(worker::IDLE_BACKOFF_MIN),
             leases: lease::LeaseGroup::default(),
         }
+    }
+
+    /// Pause or resume this host's leases of the queue; returns whether
+    /// that changed anything.
+    pub fn set_paused(&self, paused: bool) -> bool {
+        self.paused.swap(paused, Ordering::Relaxed) != paused
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
     }
 
     /// The handler messages leased from now on are given to.
@@ -241,10 +255,52 @@ pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
 /// signal say). With `until_empty`, also request it once no queue has a
 /// ready or leased message, nor a delayed one due within
 /// [`UNTIL_EMPTY_HORIZON`].
+/// How often a host reads which queues are paused: a pause made elsewhere
+/// stops its leases within this.
+pub const PAUSE_POLL: Duration = Duration::from_secs(2);
+
+/// Set each runner's pause from the store's list, saying what changed.
+async fn refresh_paused(store: &dyn Store, runners: &[Arc<QueueRunner>]) {
+    let paused = match tokio::time::timeout(PAUSE_POLL * 5, store.queue_paused()).await {
+        Ok(Ok(list)) => list,
+        Ok(Err(e)) => {
+            tracing::debug!("reading the paused queues failed: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("reading the paused queues took over {:?}", PAUSE_POLL * 5);
+            return;
+        }
+    };
+    for r in runners {
+        let by = paused.iter().find(|p| p.queue == r.spec.name);
+        if r.set_paused(by.is_some()) {
+            match by {
+                Some(p) => tracing::warn!(queue = %r.spec.name, by = %p.by, "queue paused: nothing is leased from it until `onceq resume`"),
+                None => tracing::info!(queue = %r.spec.name, "queue resumed"),
+            }
+        }
+    }
+}
+
 pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: Stop, until_empty: bool) -> crate::BoxFuture<'static, ()> {
     Box::pin(async move {
         let rx = stop.subscribe();
         let mut tasks = tokio::task::JoinSet::new();
+        // Paused queues (`onceq pause`, by any host or tool) are read
+        // before the first lease, then every PAUSE_POLL.
+        refresh_paused(store.as_ref(), &runners).await;
+        {
+            let (store, runners, mut rx) = (store.clone(), runners.clone(), rx.clone());
+            tasks.spawn(async move {
+                while !rx.is_requested() {
+                    tokio::select! {
+                        () = tokio::time::sleep(PAUSE_POLL) => refresh_paused(store.as_ref(), &runners).await,
+                        () = rx.requested() => break,
+                    }
+                }
+            });
+        }
         for r in &runners {
             let r = r.clone();
             let rx = rx.clone();

@@ -40,6 +40,9 @@ use tracing::{debug, warn};
 /// up to the queue's `poll_max`.
 pub(super) const IDLE_BACKOFF_MIN: Duration = Duration::from_millis(2);
 
+/// How often a worker of a paused queue looks whether it was resumed.
+const PAUSED_NAP: Duration = Duration::from_millis(200);
+
 impl QueueRunner {
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
     /// finish, leased-but-unstarted ones are released.
@@ -74,6 +77,10 @@ impl QueueRunner {
                 None => {
                     if shutdown.is_requested() {
                         break;
+                    }
+                    if self.is_paused() {
+                        sleep_or_shutdown(&mut shutdown, PAUSED_NAP).await;
+                        continue;
                     }
                     // After an empty lease, poll again only through the
                     // gate: one worker of the queue at a time, after the
@@ -126,12 +133,16 @@ impl QueueRunner {
             }
             let limit = pace.limit(p.batch, p.lease);
             let next = async {
+                // Paused meanwhile: no next batch.
+                if self.is_paused() {
+                    return None;
+                }
                 let at = Instant::now();
-                (self.leases.lease(self.store.as_ref(), &self.spec.name, limit, p.lease).await, at)
+                Some((self.leases.lease(self.store.as_ref(), &self.spec.name, limit, p.lease).await, at))
             };
             let (lost, next) = self.process_batch_then(&batch, leased_at, &shutdown, next).await;
             pace.record(batch.len(), lost, leased_at.elapsed());
-            prefetched = next;
+            prefetched = next.flatten();
             if lost > 0 {
                 // Its leases ran out before its work did (a slow store or
                 // handler, a stall): lease less, and not at once.

@@ -254,6 +254,24 @@ impl Store for FaultyStore {
     async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>> {
         self.inner.message_get(id).await
     }
+    async fn message_browse(
+        &self,
+        queue: &str,
+        state: LiveState,
+        after: Option<&BrowseKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<QueuedMessage>> {
+        self.inner.message_browse(queue, state, after, limit).await
+    }
+    async fn dead_letter_browse(&self, queue: &str, after: Option<&BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        self.inner.dead_letter_browse(queue, after, limit).await
+    }
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool> {
+        self.inner.queue_pause(queue, pause, audit).await
+    }
+    async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>> {
+        self.inner.queue_paused().await
+    }
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
         self.inner.table_rows(table).await
     }

@@ -519,6 +519,30 @@ pub trait Store: Send + Sync + 'static {
     /// One message on its queue, by id.
     async fn message_get(&self, id: &str) -> StoreResult<Option<QueuedMessage>>;
 
+    /// A page of `queue`'s messages in `state`, by the time they become
+    /// (or became) visible then id, strictly after `after`: a range of the
+    /// `(queue, visible_at)` index, never a scan of the queue (the
+    /// console's paging on a queue of a million messages).
+    async fn message_browse(
+        &self,
+        queue: &str,
+        state: LiveState,
+        after: Option<&BrowseKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<QueuedMessage>>;
+
+    /// A page of `queue`'s dead letters, newest first (then by id),
+    /// strictly after `after`: a range of the `(queue, failed_at)` index.
+    async fn dead_letter_browse(&self, queue: &str, after: Option<&BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>>;
+
+    /// Pause `queue` (hosts lease nothing from it; what they hold
+    /// finishes) or resume it; with `audit`, recorded in the same
+    /// transaction. Returns whether anything changed.
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool>;
+
+    /// The paused queues, by name.
+    async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>>;
+
     /// Every row of a business table, in key order: for checks and tools
     /// (`onceq demo`'s invariants, tests), never for handlers.
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>>;
@@ -532,6 +556,37 @@ pub trait Store: Send + Sync + 'static {
     /// the keys of delivered intents, newest delivery first (a key held
     /// until delivery expires a century out).
     async fn dedup_list(&self, queues: Queues<'_>, within: Duration, limit: usize) -> StoreResult<Vec<DedupKey>>;
+}
+
+/// Which messages of a queue a browse lists (dead letters have their own
+/// listing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LiveState {
+    /// Visible now (a lease that expired without an outcome included).
+    Ready,
+    /// Waiting for a delay or a retry's backoff.
+    Delayed,
+    /// Held by a worker's lease.
+    Leased,
+}
+
+/// Where a browse stopped: the last row's time (`visible_at`, or a dead
+/// letter's `failed_at`) and id. The next page starts after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrowseKey {
+    pub at: i64,
+    pub id: String,
+}
+
+/// A paused queue.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PausedQueue {
+    pub queue: String,
+    /// When (µs since the epoch).
+    pub paused_at: i64,
+    /// Who paused it (a token's name, or `local:USER`).
+    pub by: String,
 }
 
 /// A remembered dedup key.

@@ -131,6 +131,14 @@ const AUDIT_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_audit (
     result TEXT NOT NULL
 );";
 
+/// Paused queues (`onceq pause`), also created on open for databases made
+/// before pausing.
+const PAUSED_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_paused (
+    queue TEXT PRIMARY KEY,
+    paused_at INTEGER NOT NULL,
+    actor TEXT NOT NULL
+);";
+
 fn audit_insert(c: &Connection, e: &AuditEntry) -> StoreResult<()> {
     c.prepare_cached("INSERT INTO onceq_audit (at_us, actor, action, queue, subject, signer, result) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)")
         .and_then(|mut s| s.execute(params![e.at, e.actor, e.action, e.queue, e.subject, e.signer, e.result]))
@@ -589,6 +597,8 @@ impl SqliteStore {
             .with_context(|| format!("adding the processed counts to {}", path.display()))?;
         conn.execute_batch(AUDIT_DDL)
             .with_context(|| format!("adding the audit trail to {}", path.display()))?;
+        conn.execute_batch(PAUSED_DDL)
+            .with_context(|| format!("adding the paused queues to {}", path.display()))?;
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
         // The committer holds the store weakly: dropping the store stops it.
@@ -1227,6 +1237,92 @@ impl Store for SqliteStore {
 
     async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
         self.write(|c| audit_insert(c, entry)).await
+    }
+
+    async fn message_browse(
+        &self,
+        queue: &str,
+        state: LiveState,
+        after: Option<&BrowseKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<QueuedMessage>> {
+        let cond = match state {
+            LiveState::Ready => format!("visible_at <= {NOW}"),
+            LiveState::Delayed => format!("visible_at > {NOW} AND lease_token IS NULL"),
+            LiveState::Leased => format!("visible_at > {NOW} AND lease_token IS NOT NULL"),
+        };
+        let (at, id) = after.map_or((i64::MIN, ""), |k| (k.at, k.id.as_str()));
+        self.read(|c| {
+            // `visible_at >= ?2` bounds the index range; the OR only breaks
+            // ties within one microsecond.
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT {QUEUED_COLUMNS} FROM onceq_messages
+                     WHERE queue = ?1 AND {cond} AND visible_at >= ?2 AND (visible_at > ?2 OR id > ?3)
+                     ORDER BY visible_at, id LIMIT ?4"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![queue, at, id, limit.min(i64::MAX as usize) as i64], queued_from_row)
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn dead_letter_browse(&self, queue: &str, after: Option<&BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        let (at, id) = after.map_or((i64::MAX, ""), |k| (k.at, k.id.as_str()));
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT {DEAD_COLUMNS} FROM onceq_dead_letters
+                     WHERE queue = ?1 AND failed_at <= ?2 AND (failed_at < ?2 OR id > ?3)
+                     ORDER BY failed_at DESC, id LIMIT ?4"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![queue, at, id, limit.min(i64::MAX as usize) as i64], dead_letter_from_row)
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool> {
+        let by = audit.map_or_else(local_actor, |e| e.actor.clone());
+        self.write(|c| {
+            let n = if pause {
+                c.prepare_cached(&format!(
+                    "INSERT INTO onceq_paused (queue, paused_at, actor) VALUES (?1, {NOW}, ?2) ON CONFLICT (queue) DO NOTHING"
+                ))
+                .and_then(|mut s| s.execute(params![queue, by]))
+            } else {
+                c.prepare_cached("DELETE FROM onceq_paused WHERE queue = ?1")
+                    .and_then(|mut s| s.execute(params![queue]))
+            }
+            .map_err(classify)?;
+            if let Some(e) = audit {
+                audit_insert(c, e)?;
+            }
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>> {
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached("SELECT queue, paused_at, actor FROM onceq_paused ORDER BY queue")
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map([], |r| {
+                    Ok(PausedQueue {
+                        queue: r.get(0)?,
+                        paused_at: r.get(1)?,
+                        by: r.get(2)?,
+                    })
+                })
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
     }
 
     async fn audit_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<AuditEntry>> {

@@ -272,3 +272,101 @@ pub async fn dead_letter_and_replay(store: Arc<dyn Store>) {
     assert_eq!(s.audit_prune(std::time::Duration::ZERO).await.unwrap(), 2);
     assert!(s.audit_list(Queues::All, 10).await.unwrap().is_empty());
 }
+
+/// The console's paging: each state of a queue browsed page by page along
+/// its index, every message once; dead letters newest first; a queue
+/// paused and resumed, audited in the same transaction.
+pub async fn browse_and_pause(store: Arc<dyn Store>) {
+    use onceq::store::{AuditEntry, BrowseKey, LiveState};
+    let s = store.as_ref();
+    let mut sends: Vec<SendParams> = (0..5).map(|i| send("b", &format!("ready {i}"))).collect();
+    sends.extend((0..2).map(|i| SendParams {
+        delay: std::time::Duration::from_secs(3600),
+        ..send("b", &format!("later {i}"))
+    }));
+    sends.push(send("other", "elsewhere"));
+    s.message_send(sends).await.unwrap();
+    let held = lease(s, "b", 1, 60_000).await.remove(0);
+
+    let mut seen = Vec::new();
+    let mut after: Option<BrowseKey> = None;
+    loop {
+        let page = s.message_browse("b", LiveState::Ready, after.as_ref(), 2).await.unwrap();
+        assert!(page.len() <= 2);
+        let Some(last) = page.last() else { break };
+        after = Some(BrowseKey {
+            at: last.visible_at,
+            id: last.id.clone(),
+        });
+        seen.extend(page.iter().map(|m| m.id.clone()));
+    }
+    assert_eq!(seen.len(), 4, "every ready message once: {seen:?}");
+    assert!(!seen.contains(&held.message.id), "the leased one is not ready");
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 4);
+    let delayed = s.message_browse("b", LiveState::Delayed, None, 10).await.unwrap();
+    assert_eq!(delayed.len(), 2);
+    assert!(delayed.iter().all(|m| m.payload_text.starts_with("later")));
+    let leased = s.message_browse("b", LiveState::Leased, None, 10).await.unwrap();
+    assert_eq!(
+        leased.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        vec![held.message.id.as_str()]
+    );
+    assert!(leased[0].leased);
+
+    s.message_dead_letter(
+        &held.lease,
+        DeadLetterParams {
+            reason: "browse me".into(),
+            handler_version: None,
+            failed: true,
+        },
+    )
+    .await
+    .unwrap();
+    let more = lease(s, "b", 1, 60_000).await.remove(0);
+    tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    s.message_dead_letter(
+        &more.lease,
+        DeadLetterParams {
+            reason: "and me".into(),
+            handler_version: None,
+            failed: true,
+        },
+    )
+    .await
+    .unwrap();
+    let first = s.dead_letter_browse("b", None, 1).await.unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].reason, "and me", "newest first");
+    let next = s
+        .dead_letter_browse(
+            "b",
+            Some(&BrowseKey {
+                at: first[0].failed_at,
+                id: first[0].id.clone(),
+            }),
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(next.iter().map(|d| d.reason.as_str()).collect::<Vec<_>>(), vec!["browse me"]);
+    assert!(s.message_browse("b", LiveState::Leased, None, 10).await.unwrap().is_empty());
+
+    let entry = AuditEntry::now("ops", "pause", Some("b"), "");
+    assert!(s.queue_pause("b", true, Some(&entry)).await.unwrap());
+    assert!(
+        !s.queue_pause("b", true, None).await.unwrap(),
+        "pausing a paused queue changes nothing"
+    );
+    let paused = s.queue_paused().await.unwrap();
+    assert_eq!(
+        paused.iter().map(|p| (p.queue.as_str(), p.by.as_str())).collect::<Vec<_>>(),
+        vec![("b", "ops")]
+    );
+    assert!(paused[0].paused_at > 1_600_000_000_000_000);
+    assert!(s.audit_list(Queues::Named("b"), 10).await.unwrap().contains(&entry));
+    assert!(s.queue_pause("b", false, None).await.unwrap());
+    assert!(s.queue_paused().await.unwrap().is_empty());
+}

@@ -35,6 +35,7 @@ pub fn system_ddl(expiry: SpannerExpiry) -> Vec<String> {
         CHORES_DDL,
         SETTINGS_DDL,
         AUDIT_DDL,
+        PAUSED_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -81,6 +82,11 @@ pub(super) const AUDIT_DDL: &str = "CREATE TABLE onceq_audit (
             id STRING(64) NOT NULL, at_us INT64 NOT NULL, actor STRING(MAX) NOT NULL, action STRING(64) NOT NULL,
             queue STRING(256), subject STRING(MAX) NOT NULL, signer STRING(MAX), result STRING(MAX) NOT NULL
          ) PRIMARY KEY (id)";
+
+/// Paused queues (`onceq pause`).
+pub(super) const PAUSED_DDL: &str = "CREATE TABLE onceq_paused (
+            queue STRING(256) NOT NULL, paused_at INT64 NOT NULL, actor STRING(MAX) NOT NULL
+         ) PRIMARY KEY (queue)";
 
 /// The processed counts (`onceq stats`): `spanner_count_rows` rows per queue,
 /// each batch commit adding to one at random, so hosts seldom contend for
@@ -467,6 +473,9 @@ impl SpannerStore {
         }
         if has("onceq_messages", "id") && !has("onceq_audit", "id") {
             ddl.push(AUDIT_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+        if has("onceq_messages", "id") && !has("onceq_paused", "queue") {
+            ddl.push(PAUSED_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
         }
         if ddl.is_empty() {
             return Ok(());

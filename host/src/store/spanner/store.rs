@@ -415,6 +415,116 @@ impl Store for SpannerStore {
         .await
     }
 
+    async fn message_browse(
+        &self,
+        queue: &str,
+        state: LiveState,
+        after: Option<&BrowseKey>,
+        limit: usize,
+    ) -> StoreResult<Vec<QueuedMessage>> {
+        let cond = match state {
+            LiveState::Ready => format!("visible_at <= {NOW}"),
+            LiveState::Delayed => format!("visible_at > {NOW} AND lease_token IS NULL"),
+            LiveState::Leased => format!("visible_at > {NOW} AND lease_token IS NOT NULL"),
+        };
+        let (at, id) = after.map_or((i64::MIN, String::new()), |k| (k.at, k.id.clone()));
+        let stmt = Statement::builder(format!(
+            "SELECT {QUEUED_COLUMNS} FROM onceq_messages
+             WHERE queue = @q AND {cond} AND visible_at >= @at AND (visible_at > @at OR id > @id)
+             ORDER BY visible_at, id LIMIT @n"
+        ))
+        .add_param("q", queue.to_string())
+        .add_param("at", at)
+        .add_param("id", id)
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self.query_rows(stmt, &queued_table()).await?.into_iter().map(queued_from).collect())
+    }
+
+    async fn dead_letter_browse(&self, queue: &str, after: Option<&BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
+        let (at, id) = after.map_or((i64::MAX, String::new()), |k| (k.at, k.id.clone()));
+        let stmt = Statement::builder(format!(
+            "SELECT {DEAD_COLUMNS} FROM onceq_dead_letters
+             WHERE queue = @q AND failed_at <= @at AND (failed_at < @at OR id > @id)
+             ORDER BY failed_at DESC, id LIMIT @n"
+        ))
+        .add_param("q", queue.to_string())
+        .add_param("at", at)
+        .add_param("id", id)
+        .add_param("n", limit.min(i64::MAX as usize) as i64)
+        .build();
+        Ok(self
+            .query_rows(stmt, &dead_letter_table())
+            .await?
+            .into_iter()
+            .map(dead_letter_from)
+            .collect())
+    }
+
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool> {
+        let by = audit.map_or_else(local_actor, |e| e.actor.clone());
+        // Paused already: the row stays as it is (who paused it first, when).
+        let present = Statement::builder("UPDATE onceq_paused SET actor = actor WHERE queue = @q")
+            .add_param("q", queue.to_string())
+            .build();
+        let change = if pause {
+            Statement::builder(format!(
+                "INSERT INTO onceq_paused (queue, paused_at, actor) VALUES (@q, {NOW}, @by)"
+            ))
+            .add_param("q", queue.to_string())
+            .add_param("by", by)
+            .build()
+        } else {
+            Statement::builder("DELETE FROM onceq_paused WHERE queue = @q")
+                .add_param("q", queue.to_string())
+                .build()
+        };
+        let record = audit.map(audit_insert);
+        self.rw("a pause", move |tx| {
+            let (present, change, record) = (present.clone(), change.clone(), record.clone());
+            async move {
+                let n = if pause && tx.execute_update(present).await? > 0 {
+                    0
+                } else {
+                    tx.execute_update(change).await?
+                };
+                if let Some(r) = record {
+                    tx.execute_update(r).await?;
+                }
+                Ok(n > 0)
+            }
+        })
+        .await
+    }
+
+    async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>> {
+        use ColumnType::*;
+        let t = Self::system_table("onceq_paused", &[("queue", String), ("paused_at", Int64), ("actor", String)]);
+        let stmt = Statement::builder("SELECT queue, paused_at, actor FROM onceq_paused ORDER BY queue").build();
+        Ok(self
+            .query_rows(stmt, &t)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let mut it = row.into_iter().map(|(_, v)| v);
+                let text = |v: Option<Value>| match v {
+                    Some(Value::String(s)) => s,
+                    _ => std::string::String::new(),
+                };
+                let queue = text(it.next());
+                let paused_at = match it.next() {
+                    Some(Value::Int64(n)) => n,
+                    _ => 0,
+                };
+                PausedQueue {
+                    queue,
+                    paused_at,
+                    by: text(it.next()),
+                }
+            })
+            .collect())
+    }
+
     async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
         let stmt = audit_insert(entry);
         self.rw("an audit entry", move |tx| {

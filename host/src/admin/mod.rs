@@ -32,6 +32,9 @@
 //! that has not sent a request's headers within `admin.header_timeout`
 //! (idle between requests, or sending them slowly) is closed.
 
+pub mod browse;
+pub mod console;
+
 use crate::deploy::{DeployFailure, Deployer};
 use crate::outbox;
 use crate::protocol::QueueRunner;
@@ -67,6 +70,10 @@ pub struct Admin {
     starting: std::sync::Mutex<String>,
     /// Set once the queues are being served.
     ready: AtomicBool,
+    /// The console's logged-in sessions.
+    sessions: console::Sessions,
+    /// The last hour of each queue's books, for the console's charts.
+    history: console::History,
 }
 
 /// The host being served.
@@ -74,6 +81,8 @@ pub struct Serving {
     pub store: Arc<dyn Store>,
     pub runners: Vec<Arc<QueueRunner>>,
     pub deployer: Arc<Deployer>,
+    /// How long delivered intents' keys are kept (`outbox.retention`).
+    pub outbox_retention: Duration,
 }
 
 impl std::fmt::Debug for Admin {
@@ -92,6 +101,8 @@ impl Admin {
             serving: std::sync::OnceLock::new(),
             starting: std::sync::Mutex::new("starting".into()),
             ready: AtomicBool::new(false),
+            sessions: console::Sessions::default(),
+            history: console::History::default(),
         }
     }
 
@@ -175,6 +186,11 @@ fn caller(admin: &Admin, headers: &HeaderMap, reading: bool) -> Result<Caller, R
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
+    if presented.is_none() {
+        if let Some(session) = console::session_caller(admin, headers, reading) {
+            return session;
+        }
+    }
     match presented {
         Some(t) => match admin.tokens.find(t) {
             Some(token) => Ok(Caller::Token(Arc::new(token.clone()))),
@@ -548,13 +564,30 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/v1/dead/{id}/replay", post(replay))
         .route("/v1/dead/{id}/discard", post(discard))
         .route("/v1/audit", get(audit_trail))
+        .route("/v1/overview", get(browse::overview))
+        .route("/v1/history", get(browse::history))
+        .route("/v1/queues/{queue}/messages", get(browse::messages))
+        .route("/v1/queues/{queue}/pause", post(browse::pause))
+        .route("/v1/queues/{queue}/resume", post(browse::resume))
+        .route("/v1/messages/{id}", get(browse::message))
+        .route("/v1/dead/reasons", get(browse::reasons))
+        .route("/v1/dead/bulk", post(browse::bulk))
+        .route("/v1/outbox/delivered", get(browse::delivered))
         .layer(DefaultBodyLimit::max(admin.max_upload))
         .route_layer(axum::middleware::from_fn_with_state(admin.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/console", get(console::to_index))
+        .route("/console/", get(console::index))
+        .route("/console/app.js", get(console::script))
+        .route("/console/app.css", get(console::style))
+        .route("/console/login", post(console::login))
+        .route("/console/logout", post(console::logout))
+        .route("/console/session", get(console::session))
         .merge(v1)
+        .layer(axum::middleware::from_fn(console::secure_headers))
         .with_state(admin)
 }
 
@@ -569,6 +602,7 @@ pub use crate::config::ServeLimits;
 /// instance for any message).
 pub async fn serve(admin: Arc<Admin>, listener: tokio::net::TcpListener, limits: ServeLimits, mut stop: crate::shutdown::Shutdown) {
     use hyper_util::rt::{TokioIo, TokioTimer};
+    tokio::spawn(console::sampler(admin.clone(), stop.clone()));
     let router = router(admin);
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -949,6 +983,12 @@ impl Client {
             req = req.header(SIGNATURE_HEADER, base64::engine::general_purpose::STANDARD.encode(s));
         }
         Ok(serde_json::from_value(self.send(req).await?)?)
+    }
+
+    /// Pause or resume a queue.
+    pub async fn pause(&self, queue: &str, pause: bool) -> anyhow::Result<serde_json::Value> {
+        let action = if pause { "pause" } else { "resume" };
+        self.send(self.http.post(format!("{}/v1/queues/{queue}/{action}", self.base))).await
     }
 
     /// Replay (`replay`) or discard (`discard`) a dead letter.
