@@ -259,11 +259,11 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         .send_keys("root-secret")
         .await
         .unwrap();
-    click(&c, "#login").await;
-    until("the overview", || async move { cell(&c, "payments", "ready").await == "13" }).await;
-    assert_eq!(text_of(&c, "#me").await, "root · admin");
-    assert!(text_of(&c, "#queues tr[data-queue=\"payments\"]").await.contains("paused"));
-    shot(&c, "overview-paused").await;
+    click(c, "#login").await;
+    until("the overview", || async move { cell(c, "payments", "ready").await == "13" }).await;
+    assert_eq!(text_of(c, "#me").await, "root · admin");
+    assert!(text_of(c, "#queues tr[data-queue=\"payments\"]").await.contains("paused"));
+    shot(c, "overview-paused").await;
 
     // Find a message by a payload field, and open it.
     c.goto(&format!("{base}#/queue/payments")).await.unwrap();
@@ -283,24 +283,24 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         .send_keys("o-3")
         .await
         .unwrap();
-    click(&c, "#search button[type=submit]").await;
+    click(c, "#search button[type=submit]").await;
     until("one match", || async move {
         c.find_all(Locator::Css("#messages tbody tr[data-id]"))
             .await
             .map(|r| r.len())
             .unwrap_or(0)
             == 1
-            && text_of(&c, "#messages tbody").await.contains("o-3")
+            && text_of(c, "#messages tbody").await.contains("o-3")
     })
     .await;
-    assert!(!text_of(&c, "#messages tbody").await.contains("o-4"));
-    shot(&c, "search").await;
-    click(&c, "#messages tbody tr[data-id] a.id").await;
+    assert!(!text_of(c, "#messages tbody").await.contains("o-4"));
+    shot(c, "search").await;
+    click(c, "#messages tbody tr[data-id] a.id").await;
     until("the message", || async move {
-        text_of(&c, "#payload").await.contains("\"order_id\": \"o-3\"")
+        text_of(c, "#payload").await.contains("\"order_id\": \"o-3\"")
     })
     .await;
-    assert_eq!(text_of(&c, "#state").await, "ready");
+    assert_eq!(text_of(c, "#state").await, "ready");
 
     // Resume: the host works the queue; the bad orders die.
     c.goto(&base).await.unwrap();
@@ -310,12 +310,12 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
             .is_ok()
     })
     .await;
-    click(&c, "#queues tr[data-queue=\"payments\"] button[data-action=resume]").await;
+    click(c, "#queues tr[data-queue=\"payments\"] button[data-action=resume]").await;
     until("the queue worked: 7 dead, none ready", || async move {
-        cell(&c, "payments", "ready").await == "0" && cell(&c, "payments", "dead").await == "7"
+        cell(c, "payments", "ready").await == "0" && cell(c, "payments", "dead").await == "7"
     })
     .await;
-    shot(&c, "overview").await;
+    shot(c, "overview").await;
 
     // The hostile payload is text: no element made, no script run.
     c.goto(&format!("{base}#/queue/payments?state=dead&contains=script")).await.unwrap();
@@ -327,9 +327,9 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
             == 1
     })
     .await;
-    click(&c, "#messages tbody tr[data-id] a.id").await;
+    click(c, "#messages tbody tr[data-id] a.id").await;
     until("its detail", || async move {
-        text_of(&c, "#payload").await.contains("<script>window.__pwned=2</script>")
+        text_of(c, "#payload").await.contains("<script>window.__pwned=2</script>")
     })
     .await;
     let made = c
@@ -340,8 +340,8 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         .await
         .unwrap();
     assert_eq!(made, serde_json::json!([0, true]), "hostile markup stays text");
-    assert!(text_of(&c, "#error").await.contains("<img src=x"));
-    shot(&c, "hostile").await;
+    assert!(text_of(c, "#error").await.contains("<img src=x"));
+    shot(c, "hostile").await;
 
     // Dead letters by reason; replay those of one reason (paused first,
     // so the counts can be seen to move).
@@ -352,9 +352,9 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
             .is_ok()
     })
     .await;
-    click(&c, "#queues tr[data-queue=\"payments\"] button[data-action=pause]").await;
+    click(c, "#queues tr[data-queue=\"payments\"] button[data-action=pause]").await;
     until("paused", || async move {
-        text_of(&c, "#queues tr[data-queue=\"payments\"]").await.contains("paused")
+        text_of(c, "#queues tr[data-queue=\"payments\"]").await.contains("paused")
     })
     .await;
     c.goto(&format!("{base}#/queue/payments?state=dead")).await.unwrap();
@@ -376,9 +376,9 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
             && groups.contains(&("2".into(), "rejected by handler: order o-#: unknown account acct-#".into())),
         "{groups:?}"
     );
-    shot(&c, "dead-letters").await;
+    shot(c, "dead-letters").await;
     // One group's link filters the dead letters to it.
-    click(&c, "#reasons a[href*='unknown']").await;
+    click(c, "#reasons a[href*='unknown']").await;
     until("the filtered dead letters", || async move {
         c.find_all(Locator::Css("#messages tbody tr[data-id]"))
             .await
@@ -387,7 +387,7 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
             == 2
     })
     .await;
-    click(&c, "#replay-matching").await;
+    click(c, "#replay-matching").await;
     let asked = {
         until("the confirmation", || async move { c.get_alert_text().await.is_ok() }).await;
         c.get_alert_text().await.unwrap()
@@ -396,12 +396,12 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
     confirm(&c).await;
     c.goto(&base).await.unwrap();
     until("2 back on the queue, 5 dead", || async move {
-        cell(&c, "payments", "ready").await == "2" && cell(&c, "payments", "dead").await == "5"
+        cell(c, "payments", "ready").await == "2" && cell(c, "payments", "dead").await == "5"
     })
     .await;
     // Resumed, they die again (the account is still unknown).
-    click(&c, "#queues tr[data-queue=\"payments\"] button[data-action=resume]").await;
-    until("7 dead again", || async move { cell(&c, "payments", "dead").await == "7" }).await;
+    click(c, "#queues tr[data-queue=\"payments\"] button[data-action=resume]").await;
+    until("7 dead again", || async move { cell(c, "payments", "dead").await == "7" }).await;
 
     // Deploy by upload, then roll back.
     c.goto(&format!("{base}#/handlers")).await.unwrap();
@@ -422,31 +422,31 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         .send_keys("v2")
         .await
         .unwrap();
-    click(&c, "form[data-queue=tally] button[type=submit]").await;
+    click(c, "form[data-queue=tally] button[type=submit]").await;
     let h2 = &onceq::deploy::version_of(&std::fs::read(&v2).unwrap());
     until("v2 active", || async move { h.active().await["version"] == h2.as_str() }).await;
     until("the page to show it", || async move {
-        text_of(&c, "section[data-queue=tally]").await.contains("v2")
+        text_of(c, "section[data-queue=tally]").await.contains("v2")
     })
     .await;
-    shot(&c, "handlers").await;
-    click(&c, "form[data-queue=tally] button.rollback").await;
+    shot(c, "handlers").await;
+    click(c, "form[data-queue=tally] button.rollback").await;
     confirm(&c).await;
     until("v1 active again", || async move { h.active().await["version"] != h2.as_str() }).await;
 
     // The audit trail has all of it, by the token's name.
     c.goto(&format!("{base}#/audit")).await.unwrap();
     until("the audit trail", || async move {
-        let t = text_of(&c, "#audit").await;
+        let t = text_of(c, "#audit").await;
         ["login", "pause", "resume", "replay", "deploy", "rollback"]
             .iter()
             .all(|a| t.contains(a))
     })
     .await;
-    shot(&c, "audit").await;
+    shot(c, "audit").await;
 
     // A viewer sees, but is offered nothing to change.
-    click(&c, "#logout").await;
+    click(c, "#logout").await;
     until("the login form", || async move { c.find(Locator::Css("#token")).await.is_ok() }).await;
     c.find(Locator::Css("#token"))
         .await
@@ -454,8 +454,8 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         .send_keys("viewer-secret")
         .await
         .unwrap();
-    click(&c, "#login").await;
-    until("the overview", || async move { cell(&c, "payments", "dead").await == "7" }).await;
+    click(c, "#login").await;
+    until("the overview", || async move { cell(c, "payments", "dead").await == "7" }).await;
     assert!(
         c.find_all(Locator::Css("#queues button")).await.unwrap().is_empty(),
         "no actions for a viewer"

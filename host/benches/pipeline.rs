@@ -401,7 +401,7 @@ impl Store for AckApart {
     async fn dead_letter_browse(&self, queue: &str, after: Option<&onceq::store::BrowseKey>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
         self.0.dead_letter_browse(queue, after, limit).await
     }
-    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&AuditEntry>) -> StoreResult<bool> {
+    async fn queue_pause(&self, queue: &str, pause: bool, audit: Option<&onceq::store::AuditEntry>) -> StoreResult<bool> {
         self.0.queue_pause(queue, pause, audit).await
     }
     async fn queue_paused(&self) -> StoreResult<Vec<onceq::store::PausedQueue>> {

@@ -867,6 +867,7 @@ pub(super) async fn delivered(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

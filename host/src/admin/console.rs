@@ -316,6 +316,7 @@ pub(super) async fn sampler(admin: Arc<Admin>, mut stop: crate::shutdown::Shutdo
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
