@@ -393,7 +393,7 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         c.get_alert_text().await.unwrap()
     };
     assert!(asked.contains("replay 2 dead letters"), "the count is shown before acting: {asked}");
-    confirm(&c).await;
+    confirm(c).await;
     c.goto(&base).await.unwrap();
     until("2 back on the queue, 5 dead", || async move {
         cell(c, "payments", "ready").await == "2" && cell(c, "payments", "dead").await == "5"
@@ -431,7 +431,7 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
     .await;
     shot(c, "handlers").await;
     click(c, "form[data-queue=tally] button.rollback").await;
-    confirm(&c).await;
+    confirm(c).await;
     until("v1 active again", || async move { h.active().await["version"] != h2.as_str() }).await;
 
     // The audit trail has all of it, by the token's name.
