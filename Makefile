@@ -105,9 +105,11 @@ build:
 install:
 	$(CARGO) install --locked --path host --bin onceq
 
-## run: the demo: fresh SQLite database, example handlers, 10,000 messages, summary
+## run: the demo: fresh SQLite database, example handlers, 10,000 messages, summary;
+## it prints the console's URL (STAY=1: processing waits 10 s for you to open it,
+## and it stays open after the summary; MESSAGES=N for a longer run)
 run: guests build
-	$(ONCEQ) demo --guests $(GUEST_OUT)
+	$(ONCEQ) demo --guests $(GUEST_OUT) $(if $(STAY),--stay) $(if $(MESSAGES),--messages $(MESSAGES))
 
 ## run-spanner: the same demo on a Spanner emulator (started and stopped here)
 run-spanner: guests build

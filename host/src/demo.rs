@@ -59,6 +59,18 @@ pub struct DemoArgs {
     /// Random seed for the generated orders.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Serve the console (read-only: no token) on this address while the
+    /// demo runs; "off" for none.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub console: String,
+    /// Watch it in the console: processing starts after `--start-after`
+    /// seconds, and the console stays open after the summary until Ctrl-C.
+    #[arg(long)]
+    pub stay: bool,
+    /// Seconds to wait between sending and processing, to open the console
+    /// first (default 10 with --stay, else 0).
+    #[arg(long)]
+    pub start_after: Option<u64>,
 }
 
 struct Expected {
@@ -281,6 +293,35 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
     let host = crate::host::Host::assemble(&cfg, store.clone(), runtime)?;
     let runners = host.runners.clone();
+    let (console_stop, console_shutdown) = crate::shutdown::channel();
+    let console = match host.deployer.clone() {
+        Some(deployer) if args.console != "off" => {
+            let admin = Arc::new(crate::admin::Admin::new(crate::access::Tokens(Vec::new()), cfg.admin.max_upload));
+            admin.serve_with(crate::admin::Serving {
+                store: base.clone(),
+                runners: runners.clone(),
+                deployer,
+                outbox_retention: cfg.outbox.retention,
+            });
+            admin.set_ready();
+            let listener = tokio::net::TcpListener::bind(&args.console)
+                .await
+                .with_context(|| format!("console: cannot listen on {} (--console ADDR, or off)", args.console))?;
+            let addr = listener.local_addr()?;
+            tokio::spawn(crate::admin::serve(admin, listener, cfg.admin.limits, console_shutdown));
+            println!(
+                "  console: http://{addr}/console/  (live, read-only{})",
+                if args.stay { "; stays open after the summary" } else { "; `make run STAY=1` keeps it open after the summary" }
+            );
+            Some(addr)
+        }
+        _ => None,
+    };
+    let wait = args.start_after.unwrap_or(if args.stay { 10 } else { 0 });
+    if wait > 0 {
+        println!("  processing starts in {wait} s: open the console to watch it live");
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+    }
 
     let (queues, dispatchers): (Vec<_>, Vec<_>) = runners.iter().cloned().partition(|r| outbox::connector_of(&r.spec.name).is_none());
     let bar = indicatif::ProgressBar::new(args.messages as u64);
@@ -316,7 +357,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         sent: args.messages,
         charges,
     };
-    summarize(&outcome, base.as_ref(), &expected).await
+    let code = summarize(&outcome, base.as_ref(), &expected).await;
+    if let (Some(addr), true) = (console, args.stay) {
+        println!();
+        println!("console still open at http://{addr}/console/ — Ctrl-C to end");
+        app::shutdown_signal().await;
+    }
+    console_stop.request();
+    code
 }
 
 /// The idempotency keys in the `charge` connector's file, one per line
