@@ -317,6 +317,43 @@ async fn provenance_attributes_cannot_be_forged() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follow_ups_carry_provenance_the_handler_neither_sees_nor_forges_by_forwarding() {
+    // Two hops forwarding every attribute they see, then a follow-up to an
+    // unserved queue: nothing refused (the host's onceq.* provenance is not
+    // shown to the handler, so forwarding cannot forge it), and the parked
+    // message names the message that produced it.
+    let f = Attack {
+        queues: &["parked"],
+        ..Attack::new("forward 2 parked")
+    }
+    .run()
+    .await;
+    assert!(f.dead.is_empty(), "{:?}", f.dead);
+    assert!(f.notes.contains(&"saw hop=2,hop=1".to_string()), "{:?}", f.notes);
+    let (attributes, source): (String, String) =
+        f.db.sql()
+            .query_row(
+                "SELECT attributes, json_extract(attributes, '$[2][1]') FROM onceq_messages WHERE queue = 'parked'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+    let attrs: Vec<(String, String)> = serde_json::from_str(&attributes).unwrap();
+    let names: Vec<&str> = attrs.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, ["hop", "hop", "onceq.source-queue", "onceq.source-message"], "{attributes}");
+    assert_eq!(attrs[2].1, "hostile");
+    assert_eq!(source, "hostile");
+    let producer = &attrs[3].1;
+    assert_eq!(
+        f.db.count(&format!(
+            "SELECT COUNT(*) FROM hostile_log WHERE id = '{producer}' AND note = 'saw hop=2,hop=1'"
+        )),
+        1,
+        "the provenance names the message whose handler emitted it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotency_keys_that_could_split_a_header_or_flood_are_refused() {
     let f = Attack {
         connectors: &["hook"],

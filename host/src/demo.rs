@@ -311,7 +311,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             tokio::spawn(crate::admin::serve(admin, listener, cfg.admin.limits, console_shutdown));
             println!(
                 "  console: http://{addr}/console/  (live, read-only{})",
-                if args.stay { "; stays open after the summary" } else { "; `make run STAY=1` keeps it open after the summary" }
+                if args.stay {
+                    "; stays open after the summary"
+                } else {
+                    "; `make run STAY=1` keeps it open after the summary"
+                }
             );
             Some(addr)
         }

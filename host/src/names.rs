@@ -14,9 +14,9 @@ pub const RESERVED_PREFIX: &str = "onceq.";
 pub const OUTBOX_QUEUE_PREFIX: &str = "onceq.outbox.";
 /// Attribute carrying an intent's idempotency key.
 pub const KEY_ATTRIBUTE: &str = "onceq.idempotency-key";
-/// Attribute naming the queue whose message emitted an intent.
+/// Attribute naming the queue whose message emitted an intent or a follow-up.
 pub const SOURCE_QUEUE_ATTRIBUTE: &str = "onceq.source-queue";
-/// Attribute naming the message that emitted an intent.
+/// Attribute naming the message that emitted an intent or a follow-up.
 pub const SOURCE_MESSAGE_ATTRIBUTE: &str = "onceq.source-message";
 /// Attribute naming the handler version that emitted an intent.
 pub const VERSION_ATTRIBUTE: &str = "onceq.handler-version";

@@ -291,10 +291,16 @@ impl Context<'_> {
         if let Some(key) = &f.dedup_key {
             crate::names::check_key("dedup key", key).map_err(EffectProblem::DedupKey)?;
         }
+        // Provenance after the handler's own attributes (which cannot be
+        // onceq.*: checked above), so a follow-up's producer can be found
+        // from either end (the console's "produced" and "produced by").
+        let mut attributes = f.attributes;
+        attributes.push((crate::names::SOURCE_QUEUE_ATTRIBUTE.to_string(), self.msg.queue.clone()));
+        attributes.push((crate::names::SOURCE_MESSAGE_ATTRIBUTE.to_string(), self.msg.id.clone()));
         Ok(SendParams {
             queue: f.queue,
             payload: f.payload,
-            attributes: f.attributes,
+            attributes,
             delay,
             dedup_key: f.dedup_key,
             dedup_window: None,

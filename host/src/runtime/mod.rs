@@ -731,7 +731,15 @@ impl WasmHandler {
             id: msg.id.clone(),
             queue: msg.queue.clone(),
             payload: msg.payload.clone(),
-            attributes: msg.attributes.clone(),
+            // The host's provenance (onceq.*) is not the handler's: it sees
+            // the attributes its producer set, so forwarding them into a
+            // follow-up is never refused as forging provenance.
+            attributes: msg
+                .attributes
+                .iter()
+                .filter(|(k, _)| !crate::names::is_reserved(k))
+                .cloned()
+                .collect(),
             attempt: msg.attempt,
             enqueued_at: msg.enqueued_at,
             now: msg.logical_now(),
