@@ -167,6 +167,19 @@ async fn sqlite_a_database_from_before_failure_counts_is_upgraded_at_open() {
             .unwrap()
     };
     assert_eq!(version(), "2");
+    let indexed: Vec<String> = rusqlite::Connection::open(&path)
+        .unwrap()
+        .prepare("SELECT name FROM pragma_index_info('onceq_messages_visible') ORDER BY seqno")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        indexed,
+        ["queue", "visible_at", "lease_token"],
+        "the counts are read from the index"
+    );
     // Opened again: nothing to do, and the counts are as they were.
     let store = onceq::store::sqlite::SqliteStore::open(&path, &StoreOptions::default()).unwrap();
     use onceq::store::Store;

@@ -28,6 +28,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "pipeline/console.rs"]
+mod console;
 #[path = "pipeline/history.rs"]
 mod history;
 
@@ -1169,6 +1171,10 @@ fn main() {
             hosts_on_emulator(dir.path(), &component, ns).await;
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("console") {
+            tokio::task::block_in_place(|| console::console(dir.path(), &component));
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("cli") {
             tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
             return;
@@ -1307,6 +1313,7 @@ fn main() {
 
         group_commit(dir.path(), wasm.clone(), n).await;
         tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
+        tokio::task::block_in_place(|| console::console(dir.path(), &component));
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
         instruction_counting(&root, &component, dir.path(), schema.clone(), calls).await;

@@ -472,6 +472,12 @@ async fn find(store: &dyn Store, id: &str) -> Result<Option<View>, StoreError> {
 /// `GET /v1/messages/{id}`: one message, where it came from (the message
 /// whose handler emitted it), and what it produced that is still queued
 /// or dead (follow-ups and intents carry their source's id).
+///
+/// A message still queued or dead has produced nothing: effects commit
+/// with the ack, which removes it. So only the id of a message that is
+/// gone (processed) is looked up among what it produced, on the queues
+/// this host serves (its handlers' queues and connectors' outboxes),
+/// within one scan budget in all.
 pub(super) async fn message(State(admin): State<Arc<Admin>>, Extension(caller): Extension<Caller>, Path(id): Path<String>) -> Response {
     let serving = match admin.serving() {
         Ok(s) => s,
@@ -482,16 +488,14 @@ pub(super) async fn message(State(admin): State<Arc<Admin>>, Extension(caller): 
         Ok(f) => f.filter(|v| caller.covers(&v.queue)),
         Err(e) => return unavailable(e),
     };
-    // What it produced: every queue of the caller's, each state, within
-    // one scan budget in all.
-    let queues = match store.stats().await {
-        Ok(s) => s
-            .queues
-            .into_iter()
-            .map(|q| q.queue)
+    let queues: Vec<&str> = match found {
+        Some(_) => Vec::new(),
+        None => serving
+            .runners
+            .iter()
+            .map(|r| r.spec.name.as_str())
             .filter(|q| caller.covers(q))
-            .collect::<Vec<_>>(),
-        Err(e) => return unavailable(e),
+            .collect(),
     };
     let by_source = Matcher::attribute(crate::names::SOURCE_MESSAGE_ATTRIBUTE, &id);
     let mut produced = Vec::new();

@@ -17,6 +17,8 @@ pub async fn lease_and_ack(store: Arc<dyn Store>) {
     let stats = s.stats().await.unwrap();
     let q = stats.queues.iter().find(|q| q.queue == "q").unwrap();
     assert_eq!((q.ready, q.leased, q.delayed), (1, 2, 0));
+    let other = stats.queues.iter().find(|q| q.queue == "other").unwrap();
+    assert_eq!((other.ready, other.leased, other.delayed), (1, 0, 0), "every queue is counted");
     ack(s, &got[0].lease).await.unwrap();
     assert!(
         matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })),
@@ -145,6 +147,12 @@ pub async fn failures_and_deliveries_are_counted_apart(store: Arc<dyn Store>) {
         async move { st.stats().await.unwrap().queues[0].ready == 1 }
     })
     .await;
+    let q = &s.stats().await.unwrap().queues[0];
+    assert_eq!(
+        (q.ready, q.expired_leases, q.leased),
+        (1, 1, 0),
+        "the ready message's lease expired"
+    );
     // Deferred for the host's trouble: not a failure.
     let second = lease(s, "q", 1, 10_000).await.remove(0);
     assert_eq!((second.message.attempt, second.failures), (2, 0));
