@@ -350,6 +350,31 @@ fn commands_work_end_to_end() {
 }
 
 #[test]
+fn a_paused_queue_is_left_alone_until_resumed() {
+    let p = Project::new("");
+    p.ok(&["init"]);
+    let orders = p.orders_file(5);
+    p.ok(&["send", "payments", "--jsonl", orders.to_str().unwrap()]);
+    let out = p.ok(&["pause", "payments"]);
+    assert!(out.contains("paused payments: hosts lease nothing from it"), "{out}");
+    let out = p.ok(&["pause", "payments"]);
+    assert!(out.contains("payments was paused already"), "{out}");
+    // `--until-empty` does not wait for a paused queue: it says what is left.
+    let out = p.run(&["run", "--until-empty"]);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("paused: its 5 ready and 0 delayed messages are left"), "{text}");
+    assert_eq!(p.count("SELECT COUNT(*) FROM orders"), 0, "nothing of a paused queue is processed");
+    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages WHERE attempt > 0"), 0, "nor leased");
+    let audit = p.ok(&["audit", "--queue", "payments"]);
+    assert!(audit.contains("pause") && audit.contains("local:"), "{audit}");
+    let out = p.ok(&["resume", "payments"]);
+    assert!(out.contains("resumed payments"), "{out}");
+    p.ok(&["run", "--until-empty"]);
+    p.assert_exactly_once(5);
+}
+
+#[test]
 fn bad_config_is_a_clear_error() {
     let p = Project::new("");
     let cfg = p.path().join("onceq.toml");

@@ -199,6 +199,7 @@ pub fn console(dir: &Path, component: &Path) {
         println!("| {} | {:.1} ms | {:.1} ms |", page.name, ms(*median), ms(*p95));
     }
     println!("| slowest page, median (target < 200 ms) | {:.1} ms | |", ms(worst));
+    super::history::record("console_slowest_page_ms", ms(worst));
 
     // What the console costs when nobody has it open: the same run with
     // the admin server on (console served, history sampled) and off.
@@ -230,6 +231,7 @@ pub fn console(dir: &Path, component: &Path) {
         "\n| `onceq run --until-empty`, {messages} payments messages, best of {rounds} interleaved | messages/s |\n|---|---|\n| admin server and console off | {off:.0} |\n| admin server and console on, nobody looking | {on:.0} |\n| on / off | {:.2} |",
         on / off
     );
+    super::history::record("console_on_over_off", on / off);
 }
 
 /// `config` (from [`payments_config`], admin on any port) with the admin

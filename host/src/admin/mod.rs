@@ -14,6 +14,15 @@
 //! | POST | `/v1/dead/{id}/replay` | back onto its queue |
 //! | POST | `/v1/dead/{id}/discard` | deleted |
 //! | GET | `/v1/audit[?queue=Q&limit=N]` | the audit trail, newest first |
+//! | GET | `/v1/overview` | every queue's counts, paused or not, active version, this host's rates, latency and in-flight work, the oldest ready message's age; every connector's outbox with its retry backlog and last error |
+//! | GET | `/v1/history?queue=Q` | the last hour of this host's samples of a queue (every 10 s): processed, failed, p50/p99, in flight |
+//! | GET | `/v1/queues/{queue}/messages?state=ready\|delayed\|leased\|dead` | a page of messages in that state, along the queue's index (`after` = the previous page's `next`, `limit` ≤ 500); filters `field`+`value` (a payload JSON path), `contains`, `attr=name[=value]`, `error`, `reason` (a group of `/v1/dead/reasons`), `since`, `until`, `id`; a page reads at most 20,000 rows and says how many (`scanned`) |
+//! | POST | `/v1/queues/{queue}/pause`, `/resume` | a paused queue leases nothing on any host; what is in flight finishes (operator) |
+//! | GET | `/v1/messages/{id}` | one message, live or dead: payload (exact bytes in base64 when not UTF-8), attributes, deliveries, failures, last error, lease expiry; the message that produced it, and what a processed message produced that is still stored |
+//! | GET | `/v1/dead/reasons?queue=Q` | dead letters grouped by reason, numbers and long ids folded |
+//! | POST | `/v1/dead/bulk` | `{"queue", "action": "replay"\|"discard", "ids": [...]` or `"filter": {...}, "dry_run"}`: settle a selection or everything matching (≤ 10,000), each in the audit trail; a dry run only counts |
+//! | GET | `/v1/outbox/delivered?connector=C[&key=K]` | delivered intents within the retention, newest first, searchable by key |
+//! | GET | `/console/` | the operator console: pages embedded in the binary, a client of the endpoints above ([`console`]) |
 //!
 //! Every `/v1` endpoint takes `Authorization: Bearer <token>`: a token of
 //! `[[admin.tokens]]` (with a role and its queues, see [`crate::access`]),

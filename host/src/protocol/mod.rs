@@ -330,17 +330,28 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
                     // here: the counts read the whole queue table, which a busy
                     // Spanner emulator feels (checks on every idle moment of
                     // the outbox took much of its CPU).
-                    let asked = runners.iter().all(|r| r.drained.load(Ordering::Relaxed));
+                    // A paused queue is done here: nothing of it is leased
+                    // until it is resumed, and waiting for it never ends.
+                    let asked = runners.iter().all(|r| r.is_paused() || r.drained.load(Ordering::Relaxed));
                     if !asked {
                         gap = UNTIL_EMPTY_MIN_GAP;
                     } else if let Ok(stats) = store.stats().await {
                         let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
+                        let paused = |queue: &str| runners.iter().any(|r| r.spec.name == queue && r.is_paused());
                         let busy = stats
                             .queues
                             .iter()
-                            .filter(|q| names.contains(&q.queue))
+                            .filter(|q| names.contains(&q.queue) && !paused(&q.queue))
                             .any(|q| q.ready + q.leased > 0 || q.next_due_ms.is_some_and(|ms| ms <= horizon));
                         if !busy {
+                            for q in stats.queues.iter().filter(|q| paused(&q.queue) && q.ready + q.delayed > 0) {
+                                tracing::warn!(
+                                    queue = %crate::names::printable(&q.queue),
+                                    "paused: its {} ready and {} delayed messages are left (`onceq resume` to go on)",
+                                    q.ready,
+                                    q.delayed
+                                );
+                            }
                             stop.request();
                             return;
                         }
