@@ -263,6 +263,18 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
     until("the overview", || async move { cell(c, "payments", "ready").await == "13" }).await;
     assert_eq!(text_of(c, "#me").await, "root · admin");
     assert!(text_of(c, "#queues tr[data-queue=\"payments\"]").await.contains("paused"));
+    // This host said it is serving: its pid, its queues, seen just now.
+    let pid = host.child.as_ref().and_then(|c| c.id()).unwrap().to_string();
+    until("this host among the hosts seen", || {
+        let pid = pid.clone();
+        async move { text_of(c, "#hosts tbody").await.contains(&format!("pid {pid}")) }
+    })
+    .await;
+    let seen = text_of(c, "#hosts tbody").await;
+    assert!(
+        seen.contains("payments") && seen.contains(" ago") && !seen.contains("gone"),
+        "{seen}"
+    );
     shot(c, "overview-paused").await;
 
     // Find a message by a payload field, and open it.

@@ -49,6 +49,11 @@ async fn spanner_browse_and_pause() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_host_heartbeats() {
+    suite::host_heartbeats(db().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_failures_and_deliveries_are_counted_apart() {
     suite::failures_and_deliveries_are_counted_apart(db().await).await
 }

@@ -44,6 +44,11 @@ async fn sqlite_browse_and_pause() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_host_heartbeats() {
+    suite::host_heartbeats(db().store).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_failures_and_deliveries_are_counted_apart() {
     suite::failures_and_deliveries_are_counted_apart(db().store).await
 }

@@ -409,6 +409,12 @@ impl Store for AckApart {
     async fn queue_paused(&self) -> StoreResult<Vec<onceq::store::PausedQueue>> {
         self.0.queue_paused().await
     }
+    async fn host_beat(&self, beat: &onceq::store::HostBeat) -> StoreResult<()> {
+        self.0.host_beat(beat).await
+    }
+    async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<onceq::store::HostBeat>> {
+        self.0.hosts_seen(within).await
+    }
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
         self.0.table_rows(table).await
     }

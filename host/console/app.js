@@ -222,6 +222,15 @@ async function overview() {
       el("td", {}, fmt.time(c.stats.last_delivered_at)),
       el("td", { class: "bad" }, c.last_error ? fmt.short(c.last_error, 120) : ""),
     ));
+    const hosts = (o.hosts || []).map((x) => el("tr", { "data-host": x.host.id, class: x.gone ? "muted" : "" },
+      el("td", {}, x.host.name, " ", el("span", { class: "muted" }, `pid ${x.host.pid}`)),
+      el("td", {}, x.host.version),
+      el("td", {}, x.host.queues.join(", ")),
+      el("td", { class: "num" }, fmt.n(x.host.in_flight)),
+      el("td", { class: "num" }, fmt.n(x.host.finished)),
+      el("td", {}, fmt.time(x.host.started_at)),
+      el("td", { class: x.gone ? "bad" : "" }, x.gone ? `gone? not seen for ${fmt.ms(x.seen_ago_ms)}` : `${fmt.ms(x.seen_ago_ms)} ago`),
+    ));
     show(
       el("h1", {}, "Queues"),
       el("p", { class: "muted" }, `store: ${o.store} · counts from the database; rates, latency and charts from this host · refreshed every 2 s`),
@@ -232,6 +241,10 @@ async function overview() {
       el("table", { id: "connectors" },
         el("thead", {}, el("tr", {}, ["connector", "pending", "in flight", "retrying", "dead", "delivered", "last delivery", "last error"].map((t) => el("th", {}, t)))),
         el("tbody", {}, outbox.length ? outbox : el("tr", {}, el("td", { colspan: 8, class: "muted" }, "no intents yet")))),
+      el("h2", {}, "Hosts seen in the last hour"),
+      el("table", { id: "hosts" },
+        el("thead", {}, el("tr", {}, ["host", "version", "serves", "in flight", "finished", "started", "last seen"].map((t) => el("th", {}, t)))),
+        el("tbody", {}, hosts.length ? hosts : el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no host has said it is serving")))),
     );
   };
   await render();

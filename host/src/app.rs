@@ -257,6 +257,11 @@ async fn serve(
     if let Some((dir, every)) = &cfg.watch {
         background.spawn(deployer.watch(dir.clone(), *every, background_shutdown.clone()));
     }
+    background.spawn(crate::host::heartbeat(
+        store.clone(),
+        host.runners.clone(),
+        background_shutdown.clone(),
+    ));
     background.spawn(purge_loop(store, cfg.audit_retention, background_shutdown.clone()));
     tracing::info!(queues = host.runners.len(), store = %cfg.store, "serving");
     admin.set_ready();

@@ -294,6 +294,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let host = crate::host::Host::assemble(&cfg, store.clone(), runtime)?;
     let runners = host.runners.clone();
     let (console_stop, console_shutdown) = crate::shutdown::channel();
+    tokio::spawn(crate::host::heartbeat(base.clone(), runners.clone(), console_shutdown.clone()));
     let console = match host.deployer.clone() {
         Some(deployer) if args.console != "off" => {
             let admin = Arc::new(crate::admin::Admin::new(crate::access::Tokens(Vec::new()), cfg.admin.max_upload));

@@ -94,3 +94,51 @@ impl Host {
         })
     }
 }
+
+/// How often a serving host (`onceq run`) says it is alive, for the
+/// console's "hosts seen" and `/v1/overview`.
+pub const HOST_BEAT: Duration = Duration::from_secs(10);
+
+/// Say this host is alive every [`HOST_BEAT`] until shutdown: what it
+/// serves, what it is working on, what it finished. A failed beat is
+/// logged at debug and tried at the next: it is information, not work.
+pub async fn heartbeat(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, mut shutdown: crate::shutdown::Shutdown) {
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut beat = crate::store::HostBeat {
+        id: crate::value::random_id()[..16].to_string(),
+        name: machine_name(),
+        pid: i64::from(std::process::id()),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        started_at: crate::store::micros(started),
+        seen_at: 0,
+        queues: runners.iter().map(|r| r.spec.name.clone()).collect(),
+        in_flight: 0,
+        finished: 0,
+    };
+    while !shutdown.is_requested() {
+        beat.in_flight = runners
+            .iter()
+            .map(|r| r.metrics.in_flight.load(std::sync::atomic::Ordering::Relaxed))
+            .sum();
+        beat.finished = runners.iter().map(|r| r.metrics.finished()).sum::<u64>() as i64;
+        match tokio::time::timeout(HOST_BEAT, store.host_beat(&beat)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!("the heartbeat failed (next in {HOST_BEAT:?}): {e}"),
+            Err(_) => tracing::debug!("the heartbeat took over {HOST_BEAT:?}"),
+        }
+        shutdown.sleep(HOST_BEAT).await;
+    }
+}
+
+/// This machine's name: `/proc/sys/kernel/hostname` (Linux), else
+/// `$HOSTNAME`, else "unknown".
+fn machine_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}

@@ -735,7 +735,7 @@ pub(super) async fn overview(State(admin): State<Arc<Admin>>, Extension(caller):
         Err(r) => return r,
     };
     let store = serving.store.as_ref();
-    let (stats, paused) = match tokio::try_join!(store.stats(), store.queue_paused()) {
+    let (stats, paused, hosts) = match tokio::try_join!(store.stats(), store.queue_paused(), store.hosts_seen(HOSTS_WITHIN)) {
         Ok(x) => x,
         Err(e) => return unavailable(e),
     };
@@ -786,8 +786,25 @@ pub(super) async fn overview(State(admin): State<Arc<Admin>>, Extension(caller):
         let retrying = stats.queues.iter().find(|s| s.queue == queue).map_or(0, |s| s.delayed);
         outbox.push(serde_json::json!({ "stats": c, "retrying": retrying, "last_error": last_error }));
     }
-    Json(serde_json::json!({ "queues": out, "outbox": outbox, "store": store.kind() })).into_response()
+    // Hosts serving any of the caller's queues, with those queues only.
+    let hosts: Vec<serde_json::Value> = hosts
+        .into_iter()
+        .filter_map(|mut h| {
+            h.queues.retain(|q| caller.covers(q));
+            if h.queues.is_empty() {
+                return None;
+            }
+            let ago_ms = ((now_us - h.seen_at) / 1000).max(0);
+            let gone = ago_ms as u128 > 3 * crate::host::HOST_BEAT.as_millis();
+            Some(serde_json::json!({ "host": h, "seen_ago_ms": ago_ms, "gone": gone }))
+        })
+        .collect();
+    Json(serde_json::json!({ "queues": out, "outbox": outbox, "hosts": hosts, "store": store.kind() })).into_response()
 }
+
+/// How far back `/v1/overview` lists hosts: one not seen for three
+/// heartbeats is shown as gone, for an hour.
+const HOSTS_WITHIN: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// This host's figures for a queue it serves: rates over the last minute
 /// of samples, latency, in flight, outcomes per handler version.

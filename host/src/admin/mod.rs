@@ -14,7 +14,7 @@
 //! | POST | `/v1/dead/{id}/replay` | back onto its queue |
 //! | POST | `/v1/dead/{id}/discard` | deleted |
 //! | GET | `/v1/audit[?queue=Q&limit=N]` | the audit trail, newest first |
-//! | GET | `/v1/overview` | every queue's counts, paused or not, active version, this host's rates, latency and in-flight work, the oldest ready message's age; every connector's outbox with its retry backlog and last error |
+//! | GET | `/v1/overview` | every queue's counts, paused or not, active version, this host's rates, latency and in-flight work, the oldest ready message's age; every connector's outbox with its retry backlog and last error; the hosts seen in the last hour (heartbeats every 10 s) serving the caller's queues |
 //! | GET | `/v1/history?queue=Q` | the last hour of this host's samples of a queue (every 10 s): processed, failed, p50/p99, in flight |
 //! | GET | `/v1/queues/{queue}/messages?state=ready\|delayed\|leased\|dead` | a page of messages in that state, along the queue's index (`after` = the previous page's `next`, `limit` ≤ 500); filters `field`+`value` (a payload JSON path), `contains`, `attr=name[=value]`, `error`, `reason` (a group of `/v1/dead/reasons`), `since`, `until`, `id`; a page reads at most 20,000 rows and says how many (`scanned`) |
 //! | POST | `/v1/queues/{queue}/pause`, `/resume` | a paused queue leases nothing on any host; what is in flight finishes (operator) |

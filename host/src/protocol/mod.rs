@@ -251,10 +251,6 @@ pub const UNTIL_EMPTY_POLL: Duration = Duration::from_millis(500);
 /// [`UNTIL_EMPTY_POLL`].
 pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
 
-/// Run several queues until `stop` is requested (by the caller, on a
-/// signal say). With `until_empty`, also request it once no queue has a
-/// ready or leased message, nor a delayed one due within
-/// [`UNTIL_EMPTY_HORIZON`].
 /// How often a host reads which queues are paused: a pause made elsewhere
 /// stops its leases within this.
 pub const PAUSE_POLL: Duration = Duration::from_secs(2);
@@ -283,6 +279,10 @@ async fn refresh_paused(store: &dyn Store, runners: &[Arc<QueueRunner>]) {
     }
 }
 
+/// Run several queues until `stop` is requested (by the caller, on a
+/// signal say). With `until_empty`, also request it once no queue has a
+/// ready or leased message, nor a delayed one due within
+/// [`UNTIL_EMPTY_HORIZON`].
 pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: Stop, until_empty: bool) -> crate::BoxFuture<'static, ()> {
     Box::pin(async move {
         let rx = stop.subscribe();

@@ -272,6 +272,12 @@ impl Store for FaultyStore {
     async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>> {
         self.inner.queue_paused().await
     }
+    async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()> {
+        self.inner.host_beat(beat).await
+    }
+    async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<HostBeat>> {
+        self.inner.hosts_seen(within).await
+    }
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>> {
         self.inner.table_rows(table).await
     }

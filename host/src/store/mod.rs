@@ -543,6 +543,14 @@ pub trait Store: Send + Sync + 'static {
     /// The paused queues, by name.
     async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>>;
 
+    /// Say that the host `beat` describes is alive (its `seen_at` is the
+    /// database's time of this write), and forget hosts not seen for
+    /// [`HOSTS_FORGOTTEN_AFTER`].
+    async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()>;
+
+    /// The hosts seen in the last `within`, most recently seen first.
+    async fn hosts_seen(&self, within: std::time::Duration) -> StoreResult<Vec<HostBeat>>;
+
     /// Every row of a business table, in key order: for checks and tools
     /// (`onceq demo`'s invariants, tests), never for handlers.
     async fn table_rows(&self, table: &str) -> StoreResult<Vec<Row>>;
@@ -588,6 +596,32 @@ pub struct PausedQueue {
     /// Who paused it (a token's name, or `local:USER`).
     pub by: String,
 }
+
+/// A host serving queues, as it last said (`onceq run` writes one every
+/// [`crate::host::HOST_BEAT`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HostBeat {
+    /// Random per process.
+    pub id: String,
+    /// The machine's name.
+    pub name: String,
+    pub pid: i64,
+    /// onceq's version.
+    pub version: String,
+    /// µs since the epoch.
+    pub started_at: i64,
+    /// When it last said so (database time, µs; set by the store).
+    pub seen_at: i64,
+    /// The queues (and outboxes) it serves.
+    pub queues: Vec<String>,
+    /// Messages it was working on.
+    pub in_flight: i64,
+    /// Messages it finished since it started.
+    pub finished: i64,
+}
+
+/// A host not seen for this long is forgotten.
+pub const HOSTS_FORGOTTEN_AFTER: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// A remembered dedup key.
 #[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]

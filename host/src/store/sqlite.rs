@@ -165,6 +165,20 @@ const PAUSED_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_paused (
     actor TEXT NOT NULL
 );";
 
+/// The hosts serving (`onceq run`'s heartbeats, the console's overview),
+/// also created on open for databases made before them.
+const HOSTS_DDL: &str = "CREATE TABLE IF NOT EXISTS onceq_hosts (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    version TEXT NOT NULL,
+    started_at INTEGER NOT NULL,
+    seen_at INTEGER NOT NULL,
+    queues TEXT NOT NULL,
+    in_flight INTEGER NOT NULL,
+    finished INTEGER NOT NULL
+);";
+
 fn audit_insert(c: &Connection, e: &AuditEntry) -> StoreResult<()> {
     c.prepare_cached("INSERT INTO onceq_audit (at_us, actor, action, queue, subject, signer, result) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)")
         .and_then(|mut s| s.execute(params![e.at, e.actor, e.action, e.queue, e.subject, e.signer, e.result]))
@@ -624,6 +638,7 @@ impl SqliteStore {
         conn.execute_batch(AUDIT_DDL)
             .with_context(|| format!("adding the audit trail to {}", path.display()))?;
         conn.execute_batch(PAUSED_DDL)
+            .and_then(|()| conn.execute_batch(HOSTS_DDL))
             .with_context(|| format!("adding the paused queues to {}", path.display()))?;
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         migrate_lease_index(&mut conn).with_context(|| format!("adding the lease token to the queue index of {}", path.display()))?;
@@ -1354,6 +1369,67 @@ impl Store for SqliteStore {
                         queue: r.get(0)?,
                         paused_at: r.get(1)?,
                         by: r.get(2)?,
+                    })
+                })
+                .map_err(classify)?;
+            rows.collect::<Result<Vec<_>, _>>().map_err(classify)
+        })
+    }
+
+    async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()> {
+        let queues = serde_json::to_string(&beat.queues).unwrap_or_else(|_| "[]".into());
+        let forget = micros(HOSTS_FORGOTTEN_AFTER);
+        let beat = beat.clone();
+        // A heartbeat is not worth an fsync: a lost one is the next's.
+        self.inner
+            .write_undurable(move |c| {
+                c.prepare_cached(&format!(
+                    "INSERT INTO onceq_hosts (id, name, pid, version, started_at, seen_at, queues, in_flight, finished)
+                     VALUES (?1, ?2, ?3, ?4, ?5, {NOW}, ?6, ?7, ?8)
+                     ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at, queues = excluded.queues,
+                         in_flight = excluded.in_flight, finished = excluded.finished"
+                ))
+                .and_then(|mut s| {
+                    s.execute(params![
+                        beat.id,
+                        beat.name,
+                        beat.pid,
+                        beat.version,
+                        beat.started_at,
+                        queues,
+                        beat.in_flight,
+                        beat.finished
+                    ])
+                })
+                .and_then(|_| c.prepare_cached(&format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - ?1")))
+                .and_then(|mut s| s.execute(params![forget]))
+                .map_err(classify)?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<HostBeat>> {
+        let within = micros(within);
+        self.read(|c| {
+            let mut stmt = c
+                .prepare_cached(&format!(
+                    "SELECT id, name, pid, version, started_at, seen_at, queues, in_flight, finished FROM onceq_hosts
+                     WHERE seen_at >= {NOW} - ?1 ORDER BY seen_at DESC, id"
+                ))
+                .map_err(classify)?;
+            let rows = stmt
+                .query_map(params![within], |r| {
+                    Ok(HostBeat {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        pid: r.get(2)?,
+                        version: r.get(3)?,
+                        started_at: r.get(4)?,
+                        seen_at: r.get(5)?,
+                        queues: serde_json::from_str(&r.get::<_, String>(6)?).unwrap_or_default(),
+                        in_flight: r.get(7)?,
+                        finished: r.get(8)?,
                     })
                 })
                 .map_err(classify)?;

@@ -378,3 +378,52 @@ pub async fn browse_and_pause(store: Arc<dyn Store>) {
     assert!(s.queue_pause("b", false, None).await.unwrap());
     assert!(s.queue_paused().await.unwrap().is_empty());
 }
+
+/// Hosts say they are serving: one row per host, updated in place,
+/// listed within a time, most recently seen first.
+pub async fn host_heartbeats(store: Arc<dyn Store>) {
+    use onceq::store::HostBeat;
+    let s = store.as_ref();
+    let mut beat = HostBeat {
+        id: "h1".into(),
+        name: "box-1".into(),
+        pid: 42,
+        version: "0.1.0".into(),
+        started_at: 1,
+        seen_at: 0,
+        queues: vec!["q".into(), "onceq.outbox.hook".into()],
+        in_flight: 2,
+        finished: 5,
+    };
+    s.host_beat(&beat).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let other = HostBeat {
+        id: "h2".into(),
+        name: "box-2".into(),
+        ..beat.clone()
+    };
+    s.host_beat(&other).await.unwrap();
+    beat.finished = 9;
+    beat.in_flight = 0;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    s.host_beat(&beat).await.unwrap();
+    let seen = s.hosts_seen(Duration::from_secs(600)).await.unwrap();
+    assert_eq!(
+        seen.iter().map(|h| h.id.as_str()).collect::<Vec<_>>(),
+        ["h1", "h2"],
+        "one row per host, latest first"
+    );
+    let h1 = &seen[0];
+    assert_eq!((h1.finished, h1.in_flight, h1.pid, h1.started_at), (9, 0, 42, 1));
+    assert_eq!((h1.name.as_str(), h1.version.as_str()), ("box-1", "0.1.0"));
+    assert_eq!(h1.queues, ["q", "onceq.outbox.hook"]);
+    assert!(
+        h1.seen_at > 1_600_000_000_000_000 && h1.seen_at > seen[1].seen_at,
+        "database time: {seen:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        s.hosts_seen(Duration::from_millis(20)).await.unwrap().is_empty(),
+        "not seen within the last 20 ms"
+    );
+}

@@ -36,6 +36,7 @@ pub fn system_ddl(expiry: SpannerExpiry) -> Vec<String> {
         SETTINGS_DDL,
         AUDIT_DDL,
         PAUSED_DDL,
+        HOSTS_DDL,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -87,6 +88,13 @@ pub(super) const AUDIT_DDL: &str = "CREATE TABLE onceq_audit (
 pub(super) const PAUSED_DDL: &str = "CREATE TABLE onceq_paused (
             queue STRING(256) NOT NULL, paused_at INT64 NOT NULL, actor STRING(MAX) NOT NULL
          ) PRIMARY KEY (queue)";
+
+/// The hosts serving (heartbeats; the console's overview).
+pub(super) const HOSTS_DDL: &str = "CREATE TABLE onceq_hosts (
+            id STRING(64) NOT NULL, name STRING(MAX) NOT NULL, pid INT64 NOT NULL, version STRING(64) NOT NULL,
+            started_at INT64 NOT NULL, seen_at INT64 NOT NULL, queues STRING(MAX) NOT NULL,
+            in_flight INT64 NOT NULL, finished INT64 NOT NULL
+         ) PRIMARY KEY (id)";
 
 /// The processed counts (`onceq stats`): `spanner_count_rows` rows per queue,
 /// each batch commit adding to one at random, so hosts seldom contend for
@@ -476,6 +484,9 @@ impl SpannerStore {
         }
         if has("onceq_messages", "id") && !has("onceq_paused", "queue") {
             ddl.push(PAUSED_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+        if has("onceq_messages", "id") && !has("onceq_hosts", "id") {
+            ddl.push(HOSTS_DDL.split_whitespace().collect::<Vec<_>>().join(" "));
         }
         if ddl.is_empty() {
             return Ok(());

@@ -525,6 +525,95 @@ impl Store for SpannerStore {
             .collect())
     }
 
+    async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()> {
+        let queues = serde_json::to_string(&beat.queues).unwrap_or_else(|_| "[]".into());
+        let update = Statement::builder(format!(
+            "UPDATE onceq_hosts SET seen_at = {NOW}, queues = @queues, in_flight = @in_flight, finished = @finished WHERE id = @id"
+        ))
+        .add_param("id", beat.id.clone())
+        .add_param("queues", queues.clone())
+        .add_param("in_flight", beat.in_flight)
+        .add_param("finished", beat.finished)
+        .build();
+        let insert = Statement::builder(format!(
+            "INSERT INTO onceq_hosts (id, name, pid, version, started_at, seen_at, queues, in_flight, finished)
+             VALUES (@id, @name, @pid, @version, @started_at, {NOW}, @queues, @in_flight, @finished)"
+        ))
+        .add_param("id", beat.id.clone())
+        .add_param("name", beat.name.clone())
+        .add_param("pid", beat.pid)
+        .add_param("version", beat.version.clone())
+        .add_param("started_at", beat.started_at)
+        .add_param("queues", queues)
+        .add_param("in_flight", beat.in_flight)
+        .add_param("finished", beat.finished)
+        .build();
+        let forget = Statement::builder(format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - @forget"))
+            .add_param("forget", micros(HOSTS_FORGOTTEN_AFTER))
+            .build();
+        self.rw("a heartbeat", move |tx| {
+            let (update, insert, forget) = (update.clone(), insert.clone(), forget.clone());
+            async move {
+                if tx.execute_update(update).await? == 0 {
+                    tx.execute_update(insert).await?;
+                }
+                tx.execute_update(forget).await.map(|_| ())
+            }
+        })
+        .await
+    }
+
+    async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<HostBeat>> {
+        use ColumnType::*;
+        let t = Self::system_table(
+            "onceq_hosts",
+            &[
+                ("id", String),
+                ("name", String),
+                ("pid", Int64),
+                ("version", String),
+                ("started_at", Int64),
+                ("seen_at", Int64),
+                ("queues", String),
+                ("in_flight", Int64),
+                ("finished", Int64),
+            ],
+        );
+        let stmt = Statement::builder(format!(
+            "SELECT id, name, pid, version, started_at, seen_at, queues, in_flight, finished FROM onceq_hosts
+             WHERE seen_at >= {NOW} - @within ORDER BY seen_at DESC, id"
+        ))
+        .add_param("within", micros(within))
+        .build();
+        Ok(self
+            .query_rows(stmt, &t)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let v: Vec<Value> = row.into_iter().map(|(_, v)| v).collect();
+                let text = |i: usize| match v.get(i) {
+                    Some(Value::String(s)) => s.clone(),
+                    _ => std::string::String::new(),
+                };
+                let int = |i: usize| match v.get(i) {
+                    Some(Value::Int64(n)) => *n,
+                    _ => 0,
+                };
+                HostBeat {
+                    id: text(0),
+                    name: text(1),
+                    pid: int(2),
+                    version: text(3),
+                    started_at: int(4),
+                    seen_at: int(5),
+                    queues: serde_json::from_str(&text(6)).unwrap_or_default(),
+                    in_flight: int(7),
+                    finished: int(8),
+                }
+            })
+            .collect())
+    }
+
     async fn audit_append(&self, entry: &AuditEntry) -> StoreResult<()> {
         let stmt = audit_insert(entry);
         self.rw("an audit entry", move |tx| {
