@@ -441,6 +441,9 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
         text_of(c, "section[data-queue=tally]").await.contains("v2")
     })
     .await;
+    // The new version serves; the old one has nothing left in flight.
+    assert_eq!(text_of(c, "section[data-queue=tally] tr.active td.drain").await, "serving");
+    assert_eq!(text_of(c, "section[data-queue=tally] tr:not(.active) td.drain").await, "idle");
     shot(c, "handlers").await;
     click(c, "form[data-queue=tally] button.rollback").await;
     confirm(c).await;

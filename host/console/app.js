@@ -386,7 +386,8 @@ async function handlers() {
       el("td", {}, v.label || ""), el("td", {}, v.source), el("td", {}, fmt.time(v.at_ms * 1000)), el("td", {}, v.by || ""),
       el("td", {}, v.signer ? v.signer.key_id || JSON.stringify(v.signer) : ""),
       el("td", { class: "num" }, fmt.n((outcomes[v.version] || {}).processed || 0)),
-      el("td", { class: "num" }, fmt.n((outcomes[v.version] || {}).dead_lettered || 0))));
+      el("td", { class: "num" }, fmt.n((outcomes[v.version] || {}).dead_lettered || 0)),
+      el("td", { class: "drain" }, v.active ? "serving" : (outcomes[v.version] || {}).in_flight ? `draining: ${fmt.n(outcomes[v.version].in_flight)} in flight` : "idle")));
     const file = el("input", { type: "file", accept: ".wasm", name: "component" });
     const sig = el("input", { type: "file", accept: ".minisig", name: "signature" });
     const label = el("input", { name: "label", placeholder: "label (v2, a git sha)" });
@@ -408,7 +409,7 @@ async function handlers() {
     } }, "Roll back")) : null;
     sections.push(el("section", { "data-queue": name },
       el("h2", {}, name, " ", el("span", { class: "muted" }, `in flight here: ${x.here.in_flight}`)),
-      el("table", {}, el("thead", {}, el("tr", {}, ["version", "label", "source", "deployed", "by", "signer", "processed here", "dead-lettered here"].map((t) => el("th", {}, t)))), el("tbody", {}, rows)),
+      el("table", {}, el("thead", {}, el("tr", {}, ["version", "label", "source", "deployed", "by", "signer", "processed here", "dead-lettered here", "state here"].map((t) => el("th", {}, t)))), el("tbody", {}, rows)),
       deploy));
   }
   show(el("h1", {}, "Handlers"), el("p", { class: "muted" }, "A deploy is checked like onceq deploy (a valid component, its imports, the signature when required), then switched to; messages in flight finish on the version they started with."), sections);

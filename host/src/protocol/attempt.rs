@@ -56,9 +56,11 @@ impl QueueRunner {
         let started = Instant::now();
         let m = &self.metrics;
         m.in_flight.fetch_add(1, Ordering::Relaxed);
+        m.record_version(&version, |c| c.in_flight += 1);
         m.deliveries.fetch_add(1, Ordering::Relaxed);
         let outcome = self.process_inner(lm, &*handler, slot).instrument(span.clone()).await;
         m.in_flight.fetch_sub(1, Ordering::Relaxed);
+        m.record_version(&version, |c| c.in_flight = c.in_flight.saturating_sub(1));
         span.record("outcome", tracing::field::debug(&outcome));
         match &outcome {
             Outcome::Acked => {

@@ -101,6 +101,8 @@ fn hist_buckets(h: &Hist, bounds: &[f64]) -> (f64, u64, Vec<(f64, u64)>) {
 /// Final outcomes of the messages one handler version processed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct VersionCounts {
+    /// Being processed now: an old version still above zero is draining.
+    pub in_flight: u64,
     pub processed: u64,
     pub already_committed: u64,
     pub retried: u64,
