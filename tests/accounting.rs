@@ -377,6 +377,8 @@ async fn an_endless_error_body_is_read_only_as_far_as_its_excerpt() {
         source_queue: "q".into(),
         source_message_id: "m".into(),
         source_version: None,
+        traceparent: None,
+        tracestate: None,
         id: "i".into(),
         attempt: 1,
     };

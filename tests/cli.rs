@@ -375,6 +375,51 @@ fn a_paused_queue_is_left_alone_until_resumed() {
 }
 
 #[test]
+fn a_sent_message_s_trace_follows_it_to_its_intent() {
+    let p = Project::new("");
+    p.ok(&["init"]);
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    // Inside a trace (TRACEPARENT, as CI jobs and scripts carry it).
+    let out = p
+        .cmd(&["send", "payments", "--payload", &order(1, 1, 10)])
+        .env("TRACEPARENT", parent)
+        .env("TRACESTATE", "ci=1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Outside one: each message starts its own.
+    p.ok(&["send", "payments", "--payload", &order(2, 2, 10)]);
+    p.ok(&["send", "payments", "--payload", &order(3, 3, 10)]);
+    // A malformed one is refused, naming it, and nothing is sent.
+    let out = p
+        .cmd(&["send", "payments", "--payload", &order(4, 4, 10)])
+        .env("TRACEPARENT", "00-nonsense")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("TRACEPARENT=00-nonsense: not a W3C traceparent"),
+        "{e}"
+    );
+    assert_eq!(p.count("SELECT COUNT(*) FROM onceq_messages"), 3);
+    p.ok(&["run", "--until-empty"]);
+    let lines = file_lines(&p.path().join("charges.jsonl"));
+    let context = |order: &str| {
+        let line = lines
+            .iter()
+            .find(|l| l["idempotency_key"] == format!("charge-{order}"))
+            .unwrap_or_else(|| panic!("no charge for {order}: {lines:?}"));
+        onceq::trace::TraceParent::parse(line["traceparent"].as_str().unwrap()).unwrap()
+    };
+    let (one, two, three) = (context("o-1"), context("o-2"), context("o-3"));
+    let parent = onceq::trace::TraceParent::parse(parent).unwrap();
+    assert_eq!(one.trace_id, parent.trace_id, "the intent is in the sender's trace");
+    assert_ne!(one.span_id, parent.span_id);
+    assert_ne!(two.trace_id, three.trace_id, "a trace per message sent outside one");
+    assert_ne!(two.trace_id, parent.trace_id);
+}
+
+#[test]
 fn bad_config_is_a_clear_error() {
     let p = Project::new("");
     let cfg = p.path().join("onceq.toml");

@@ -474,6 +474,9 @@ async fn intent_metadata_cannot_set_the_operators_or_the_hosts_headers() {
         ("X_Forwarded_For", "10.0.0.1"),
         ("Proxy", "http://evil.example:3128"),
         ("PROXY_AUTHORIZATION", "Basic forged"),
+        // The trace context is the message's, set by the host.
+        ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        ("TraceState", "forged=1"),
     ] {
         let f = Attack {
             connectors: &["hook"],

@@ -560,3 +560,45 @@ listen = "127.0.0.1:0"
     let text = onceq_ok(d, &["outbox", "delivered", "--limit", "3"]).await;
     assert!(text.contains("KEY KEPT UNTIL") && text.lines().count() == 4, "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_receives_the_message_s_trace_as_traceparent() {
+    // A message sent inside a trace: the intent its handler emits carries
+    // the same trace to the receiver, in a span of its own (derived, so a
+    // re-run sends the same), with the tracestate as it came.
+    let server = Receiver::start(12).await;
+    let db = TestDb::new(PAYMENTS_SQL);
+    seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
+    let sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    db.store
+        .message_send(vec![onceq::store::SendParams {
+            queue: "payments".into(),
+            payload: order(1, 1, 10).into_bytes(),
+            attributes: vec![
+                ("onceq.traceparent".into(), sent.into()),
+                ("onceq.tracestate".into(), "vendor=1".into()),
+            ],
+            ..Default::default()
+        }])
+        .await
+        .unwrap();
+    db.send("payments", [order(2, 2, 10)]).await;
+    let rt = runtime();
+    let payments = payments_runner(&db.store, &rt, policy(1, 1));
+    let dispatcher = webhook(&db.store, &server.url(), Duration::from_millis(300), &fast_outbox());
+    drain_within(&db.store, &[payments, dispatcher], Duration::from_secs(60)).await;
+    let seen = server.seen();
+    let header = |key: &str, name: &str| seen[key].headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let got = header("charge-o-1", "traceparent").expect("a traceparent header");
+    let parsed = onceq::trace::TraceParent::parse(&got).expect("a valid traceparent");
+    let parent = onceq::trace::TraceParent::parse(sent).unwrap();
+    assert_eq!(parsed.trace_id, parent.trace_id, "the same trace: {got}");
+    assert_ne!(parsed.span_id, parent.span_id, "a span of its own: {got}");
+    assert_eq!(parsed.flags, 1);
+    assert_eq!(header("charge-o-1", "tracestate").as_deref(), Some("vendor=1"));
+    assert_eq!(
+        header("charge-o-2", "traceparent"),
+        None,
+        "a message without a trace passes none on"
+    );
+}

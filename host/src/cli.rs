@@ -764,12 +764,34 @@ async fn send(
     } else {
         anyhow::bail!("give the message with --payload JSON, --file F or --jsonl F")
     };
+    // Each message's creation context (W3C trace context): a child of
+    // TRACEPARENT when the caller is inside a trace, else a trace of its own.
+    let parent = match std::env::var("TRACEPARENT") {
+        Ok(v) if !v.trim().is_empty() => Some(crate::trace::TraceParent::parse(&v).ok_or_else(|| {
+            anyhow::anyhow!(
+                "TRACEPARENT={}: not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>); unset it to start a trace per message",
+                printable(&v)
+            )
+        })?),
+        _ => None,
+    };
+    let tracestate = std::env::var("TRACESTATE")
+        .ok()
+        .filter(|s| parent.is_some() && !s.trim().is_empty());
     let msgs: Vec<SendParams> = payloads
         .into_iter()
         .map(|payload| SendParams {
             queue: queue.clone(),
             payload,
-            attributes: attributes.clone(),
+            attributes: {
+                let mut a = attributes.clone();
+                let context = parent.map_or_else(crate::trace::TraceParent::root, |p| p.child());
+                a.push((crate::trace::TRACEPARENT_ATTRIBUTE.to_string(), context.to_string()));
+                if let Some(s) = &tracestate {
+                    a.push((crate::trace::TRACESTATE_ATTRIBUTE.to_string(), s.clone()));
+                }
+                a
+            },
             delay,
             dedup_key: dedup_key.clone(),
             dedup_window: None,

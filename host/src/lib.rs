@@ -44,6 +44,7 @@ pub mod schema;
 pub mod shutdown;
 pub mod signing;
 pub mod store;
+pub mod trace;
 pub mod value;
 
 // The authors' loop, public for the handler test kit and the docs' tests.

@@ -184,6 +184,15 @@ impl Connector for Webhook {
             }
         };
         headers.insert("idempotency-key", key);
+        // The intent's trace reaches the receiver, unless the operator's
+        // headers say otherwise.
+        for (name, value) in [("traceparent", &intent.traceparent), ("tracestate", &intent.tracestate)] {
+            if let Some(v) = value.as_deref().and_then(|v| reqwest::header::HeaderValue::from_str(v).ok()) {
+                if !self.headers.contains_key(name) {
+                    headers.insert(name, v);
+                }
+            }
+        }
         if !headers.contains_key(reqwest::header::CONTENT_TYPE) {
             let ct = if serde_json::from_slice::<serde::de::IgnoredAny>(&intent.payload).is_ok() {
                 "application/json"
@@ -343,6 +352,9 @@ pub fn file_line(intent: &Intent) -> serde_json::Value {
         "source_version": intent.source_version,
         "attempt": intent.attempt,
     });
+    if let Some(t) = &intent.traceparent {
+        line["traceparent"] = serde_json::Value::String(t.clone());
+    }
     let payload = match serde_json::from_slice::<serde_json::Value>(&intent.payload) {
         Ok(v) => ("payload", v),
         Err(_) => match std::str::from_utf8(&intent.payload) {
@@ -433,6 +445,8 @@ mod tests {
             source_queue: "q".into(),
             source_message_id: "id".into(),
             source_version: None,
+            traceparent: None,
+            tracestate: None,
             id: "x".into(),
             attempt: 1,
         };
@@ -460,6 +474,8 @@ mod tests {
                     source_queue: "q".into(),
                     source_message_id: format!("m{n}"),
                     source_version: None,
+                    traceparent: None,
+                    tracestate: None,
                     id: format!("x{n}"),
                     attempt: 1,
                 };

@@ -70,6 +70,9 @@ pub struct Intent {
     pub source_message_id: String,
     /// The handler version that emitted it.
     pub source_version: Option<String>,
+    /// The W3C trace context it carries (see [`crate::trace`]).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
     /// The outbox message's id.
     pub id: String,
     /// Delivery attempt, 1 on the first.
@@ -106,6 +109,8 @@ impl Intent {
             source_queue: get(SOURCE_QUEUE_ATTRIBUTE).unwrap_or_default(),
             source_message_id: get(SOURCE_MESSAGE_ATTRIBUTE).unwrap_or_default(),
             source_version: get(VERSION_ATTRIBUTE),
+            traceparent: get(crate::trace::TRACEPARENT_ATTRIBUTE),
+            tracestate: get(crate::trace::TRACESTATE_ATTRIBUTE),
             id: id.to_string(),
             attempt,
         })

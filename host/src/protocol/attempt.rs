@@ -51,8 +51,12 @@ impl QueueRunner {
             delivery = lm.message.attempt,
             failures = lm.failures,
             version = %version,
+            trace_id = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
+        if let Some(t) = crate::trace::of(&lm.message.attributes) {
+            span.record("trace_id", tracing::field::display(t.trace_id_hex()));
+        }
         let started = Instant::now();
         let m = &self.metrics;
         m.in_flight.fetch_add(1, Ordering::Relaxed);

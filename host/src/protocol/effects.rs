@@ -80,6 +80,9 @@ pub const PROTECTED_HEADERS: &[&str] = &[
     "via",
     "user-agent",
     "idempotency-key",
+    // The trace context comes from the message's, set by the host.
+    "traceparent",
+    "tracestate",
     // CGI/WSGI receivers see every header as HTTP_<NAME> and take
     // HTTP_PROXY for the proxy to use ("httpoxy").
     "proxy",
@@ -218,18 +221,20 @@ pub fn check_and_buffer(
         .map(|(index, effect)| cx.check(effect).map_err(|problem| EffectError::Bad { index, problem }))
         .collect::<Result<Vec<_>, _>>()?;
     let mut counts = EffectCounts::default();
-    for c in checked {
+    for (index, c) in checked.into_iter().enumerate() {
         match c {
             Checked::Write(w) => {
                 counts.writes += 1;
                 tx.row_write(w)
             }
-            Checked::Enqueue(p) => {
+            Checked::Enqueue(mut p) => {
                 counts.enqueued += 1;
+                crate::trace::inherit(&msg.attributes, &msg.id, index, &mut p.attributes);
                 tx.message_enqueue(p)
             }
-            Checked::Intent(p) => {
+            Checked::Intent(mut p) => {
                 counts.intents += 1;
+                crate::trace::inherit(&msg.attributes, &msg.id, index, &mut p.attributes);
                 tx.message_enqueue(p)
             }
         }
