@@ -393,10 +393,7 @@ pub async fn try_message(
         payload,
         attributes: vec![],
         attempt: 1,
-        enqueued_at: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_micros() as i64)
-            .unwrap_or(0),
+        enqueued_at: crate::store::now_micros(),
     };
     let tx = store.transaction_begin().await?;
     Ok(crate::tryout::run(&handler, message, tx, store.schema(), &grants, &effect_limits).await)

@@ -1061,10 +1061,7 @@ async fn peek(cfg: &Config, queue: &str, limit: usize, json: bool) -> anyhow::Re
         println!("no messages on {}{hint}", printable(queue));
         return Ok(ExitCode::SUCCESS);
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as i64)
-        .unwrap_or(0);
+    let now = crate::store::now_micros();
     for m in &list {
         let state = if m.leased {
             "leased".to_string()

@@ -103,15 +103,12 @@ pub const HOST_BEAT: Duration = Duration::from_secs(10);
 /// serves, what it is working on, what it finished. A failed beat is
 /// logged at debug and tried at the next: it is information, not work.
 pub async fn heartbeat(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, mut shutdown: crate::shutdown::Shutdown) {
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
     let mut beat = crate::store::HostBeat {
         id: crate::value::random_id()[..16].to_string(),
         name: machine_name(),
         pid: i64::from(std::process::id()),
         version: env!("CARGO_PKG_VERSION").to_string(),
-        started_at: crate::store::micros(started),
+        started_at: crate::store::now_micros(),
         seen_at: 0,
         queues: runners.iter().map(|r| r.spec.name.clone()).collect(),
         in_flight: 0,

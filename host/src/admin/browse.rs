@@ -452,11 +452,7 @@ pub(super) async fn messages(
 /// A message by id, on its queue or dead.
 async fn find(store: &dyn Store, id: &str) -> Result<Option<View>, StoreError> {
     if let Some(m) = store.message_get(id).await? {
-        let now = crate::store::micros(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default(),
-        );
+        let now = crate::store::now_micros();
         let state = if m.leased {
             Status::Leased
         } else if m.visible_at > now {
@@ -753,11 +749,7 @@ pub(super) async fn overview(State(admin): State<Arc<Admin>>, Extension(caller):
     queues.sort_by(|a, b| a.queue.cmp(&b.queue));
     connectors.retain(|c| caller.covers(&crate::names::outbox_queue(&c.connector)));
     let active = serving.deployer.active();
-    let now_us = crate::store::micros(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default(),
-    );
+    let now_us = crate::store::now_micros();
     let mut out = Vec::new();
     for q in queues {
         let oldest = match store.message_browse(&q.queue, LiveState::Ready, None, 1).await {

@@ -64,23 +64,30 @@ impl QueueRunner {
         m.deliveries.fetch_add(1, Ordering::Relaxed);
         let outcome = self.process_inner(lm, &*handler, slot).instrument(span.clone()).await;
         m.in_flight.fetch_sub(1, Ordering::Relaxed);
-        m.record_version(&version, |c| c.in_flight = c.in_flight.saturating_sub(1));
+        // The version's counts in one go: no longer in flight, and how it ended.
+        m.record_version(&version, |c| {
+            c.in_flight = c.in_flight.saturating_sub(1);
+            match &outcome {
+                Outcome::Acked => c.processed += 1,
+                Outcome::AlreadyCommitted => c.already_committed += 1,
+                Outcome::RetryLater(_) => c.retried += 1,
+                Outcome::DeadLettered(_) => c.dead_lettered += 1,
+                Outcome::Deferred(_) | Outcome::LeaseLost | Outcome::Released => {}
+            }
+        });
         span.record("outcome", tracing::field::debug(&outcome));
         match &outcome {
             Outcome::Acked => {
                 m.committed_now();
                 m.processed.fetch_add(1, Ordering::Relaxed);
-                m.record_version(&version, |c| c.processed += 1);
                 m.record_latency(started.elapsed());
             }
             Outcome::AlreadyCommitted => {
                 m.already_committed.fetch_add(1, Ordering::Relaxed);
-                m.record_version(&version, |c| c.already_committed += 1);
                 m.record_latency(started.elapsed());
             }
             Outcome::RetryLater(_) => {
                 m.retried.fetch_add(1, Ordering::Relaxed);
-                m.record_version(&version, |c| c.retried += 1);
             }
             Outcome::Deferred(reason) => {
                 m.deferred.fetch_add(1, Ordering::Relaxed);
@@ -88,7 +95,6 @@ impl QueueRunner {
             }
             Outcome::DeadLettered(reason) => {
                 m.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                m.record_version(&version, |c| c.dead_lettered += 1);
                 warn!(parent: &span, "dead-lettered: {reason}");
             }
             Outcome::LeaseLost => {

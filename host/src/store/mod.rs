@@ -116,6 +116,16 @@ pub fn micros(d: Duration) -> i64 {
     i64::try_from(d.min(MAX_SCHEDULE).as_micros()).unwrap_or(i64::MAX)
 }
 
+/// This machine's time as the stores' microseconds since the epoch (0
+/// before it).
+pub fn now_micros() -> i64 {
+    micros(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default(),
+    )
+}
+
 /// A read a handler made, recorded so the commit can run it again and abort
 /// if the answer changed (optimistic concurrency, used by both stores).
 #[derive(Debug, Clone)]
@@ -256,9 +266,7 @@ impl AuditEntry {
     /// An entry stamped now.
     pub fn now(actor: &str, action: &str, queue: Option<&str>, subject: &str) -> AuditEntry {
         AuditEntry {
-            at: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX)),
+            at: now_micros(),
             actor: actor.to_string(),
             action: action.to_string(),
             queue: queue.map(str::to_string),

@@ -638,8 +638,9 @@ impl SqliteStore {
         conn.execute_batch(AUDIT_DDL)
             .with_context(|| format!("adding the audit trail to {}", path.display()))?;
         conn.execute_batch(PAUSED_DDL)
-            .and_then(|()| conn.execute_batch(HOSTS_DDL))
             .with_context(|| format!("adding the paused queues to {}", path.display()))?;
+        conn.execute_batch(HOSTS_DDL)
+            .with_context(|| format!("adding the hosts table to {}", path.display()))?;
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         migrate_lease_index(&mut conn).with_context(|| format!("adding the lease token to the queue index of {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;

@@ -196,16 +196,27 @@ const PURGE_DEADLINE: Duration = Duration::from_secs(600);
 
 pub(super) const DEAD_COLUMNS: &str = "id, queue, payload, attributes, attempts, enqueued_at, failed_at, reason, handler_version, failures";
 
+/// Column `i` of a row read with a system table's schema, as text ("" when
+/// NULL).
+fn text_at(row: &Row, i: usize) -> std::string::String {
+    match row.get(i) {
+        Some((_, Value::String(s))) => s.clone(),
+        _ => std::string::String::new(),
+    }
+}
+
+/// Column `i` as an integer (0 when NULL).
+fn int_at(row: &Row, i: usize) -> i64 {
+    match row.get(i) {
+        Some((_, Value::Int64(n))) => *n,
+        _ => 0,
+    }
+}
+
 pub(super) fn dead_letter_from(row: Row) -> DeadLetter {
     let get = |i: usize| row.get(i).map(|(_, v)| v.clone()).unwrap_or(Value::Null);
-    let s = |i: usize| match get(i) {
-        Value::String(s) => s,
-        _ => std::string::String::new(),
-    };
-    let n = |i: usize| match get(i) {
-        Value::Int64(n) => n,
-        _ => 0,
-    };
+    let s = |i: usize| text_at(&row, i);
+    let n = |i: usize| int_at(&row, i);
     let payload = match get(2) {
         Value::Bytes(b) => b,
         _ => vec![],
@@ -505,22 +516,10 @@ impl Store for SpannerStore {
             .query_rows(stmt, &t)
             .await?
             .into_iter()
-            .map(|row| {
-                let mut it = row.into_iter().map(|(_, v)| v);
-                let text = |v: Option<Value>| match v {
-                    Some(Value::String(s)) => s,
-                    _ => std::string::String::new(),
-                };
-                let queue = text(it.next());
-                let paused_at = match it.next() {
-                    Some(Value::Int64(n)) => n,
-                    _ => 0,
-                };
-                PausedQueue {
-                    queue,
-                    paused_at,
-                    by: text(it.next()),
-                }
+            .map(|row| PausedQueue {
+                queue: text_at(&row, 0),
+                paused_at: int_at(&row, 1),
+                by: text_at(&row, 2),
             })
             .collect())
     }
@@ -589,27 +588,16 @@ impl Store for SpannerStore {
             .query_rows(stmt, &t)
             .await?
             .into_iter()
-            .map(|row| {
-                let v: Vec<Value> = row.into_iter().map(|(_, v)| v).collect();
-                let text = |i: usize| match v.get(i) {
-                    Some(Value::String(s)) => s.clone(),
-                    _ => std::string::String::new(),
-                };
-                let int = |i: usize| match v.get(i) {
-                    Some(Value::Int64(n)) => *n,
-                    _ => 0,
-                };
-                HostBeat {
-                    id: text(0),
-                    name: text(1),
-                    pid: int(2),
-                    version: text(3),
-                    started_at: int(4),
-                    seen_at: int(5),
-                    queues: serde_json::from_str(&text(6)).unwrap_or_default(),
-                    in_flight: int(7),
-                    finished: int(8),
-                }
+            .map(|row| HostBeat {
+                id: text_at(&row, 0),
+                name: text_at(&row, 1),
+                pid: int_at(&row, 2),
+                version: text_at(&row, 3),
+                started_at: int_at(&row, 4),
+                seen_at: int_at(&row, 5),
+                queues: serde_json::from_str(&text_at(&row, 6)).unwrap_or_default(),
+                in_flight: int_at(&row, 7),
+                finished: int_at(&row, 8),
             })
             .collect())
     }
