@@ -218,23 +218,21 @@ pub fn check_and_buffer(
     let checked = effects
         .into_iter()
         .enumerate()
-        .map(|(index, effect)| cx.check(effect).map_err(|problem| EffectError::Bad { index, problem }))
+        .map(|(index, effect)| cx.check(effect, index).map_err(|problem| EffectError::Bad { index, problem }))
         .collect::<Result<Vec<_>, _>>()?;
     let mut counts = EffectCounts::default();
-    for (index, c) in checked.into_iter().enumerate() {
+    for c in checked {
         match c {
             Checked::Write(w) => {
                 counts.writes += 1;
                 tx.row_write(w)
             }
-            Checked::Enqueue(mut p) => {
+            Checked::Enqueue(p) => {
                 counts.enqueued += 1;
-                crate::trace::inherit(&msg.attributes, &msg.id, index, &mut p.attributes);
                 tx.message_enqueue(p)
             }
-            Checked::Intent(mut p) => {
+            Checked::Intent(p) => {
                 counts.intents += 1;
-                crate::trace::inherit(&msg.attributes, &msg.id, index, &mut p.attributes);
                 tx.message_enqueue(p)
             }
         }
@@ -252,11 +250,17 @@ struct Context<'a> {
 }
 
 impl Context<'_> {
-    fn check(&self, effect: Effect) -> Result<Checked, EffectProblem> {
+    /// Check the `index`th effect; a message it sends gets the host's
+    /// attributes (provenance, the trace) here, and only here.
+    fn check(&self, effect: Effect, index: usize) -> Result<Checked, EffectProblem> {
+        let traced = |mut p: SendParams| {
+            crate::trace::inherit(&self.msg.attributes, &self.msg.id, index, &mut p.attributes);
+            p
+        };
         match effect {
             Effect::Write(w) => self.write(&w).map(Checked::Write),
-            Effect::Enqueue(f) => self.enqueue(f).map(Checked::Enqueue),
-            Effect::Intent(i) => self.intent(i).map(Checked::Intent),
+            Effect::Enqueue(f) => self.enqueue(f).map(traced).map(Checked::Enqueue),
+            Effect::Intent(i) => self.intent(i).map(traced).map(Checked::Intent),
         }
     }
 
