@@ -449,13 +449,20 @@ async fn an_operator_finds_replays_pauses_deploys_and_rolls_back_in_the_browser(
     confirm(c).await;
     until("v1 active again", || async move { h.active().await["version"] != h2.as_str() }).await;
 
-    // The audit trail has all of it, by the token's name.
+    // The audit trail has all of it, by the token's name. The page is a
+    // snapshot: the rollback's entry is written as its request ends, which
+    // can be after the switch awaited above, so reload until it shows, as
+    // an operator would.
     c.goto(&format!("{base}#/audit")).await.unwrap();
     until("the audit trail", || async move {
         let t = text_of(c, "#audit").await;
-        ["login", "pause", "resume", "replay", "deploy", "rollback"]
+        let all = ["login", "pause", "resume", "replay", "deploy", "rollback"]
             .iter()
-            .all(|a| t.contains(a))
+            .all(|a| t.contains(a));
+        if !all {
+            c.refresh().await.unwrap();
+        }
+        all
     })
     .await;
     shot(c, "audit").await;
