@@ -201,6 +201,7 @@ fn the_configuration_reference_documents_exactly_the_keys_onceq_accepts() {
         "deploy",
         "audit",
         "outbox",
+        "telemetry",
         "queue",
         "connector",
     ];

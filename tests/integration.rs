@@ -25,4 +25,5 @@ mod sandbox;
 mod spanner;
 mod store_conformance;
 mod teams;
+mod telemetry;
 mod verdict;

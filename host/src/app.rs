@@ -244,6 +244,11 @@ async fn serve(
     admin.starting("loading the handlers");
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
     let host = crate::host::Host::assemble(cfg, store.clone(), runtime)?;
+    let telemetry = crate::telemetry::Telemetry::start(&cfg.telemetry)?;
+    for r in &host.runners {
+        r.set_telemetry(telemetry.clone());
+    }
+    telemetry.observe_commits(store.as_ref());
     let deployer = host
         .deployer
         .clone()
@@ -266,6 +271,7 @@ async fn serve(
     tracing::info!(queues = host.runners.len(), store = %cfg.store, "serving");
     admin.set_ready();
     host.run(stop, until_empty, cfg.shutdown_grace).await;
+    telemetry.shutdown().await;
     Ok(host.runners)
 }
 

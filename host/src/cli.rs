@@ -778,6 +778,9 @@ async fn send(
     let tracestate = std::env::var("TRACESTATE")
         .ok()
         .filter(|s| parent.is_some() && !s.trim().is_empty());
+    let telemetry = crate::telemetry::Telemetry::start(&cfg.telemetry)?;
+    let started = std::time::SystemTime::now();
+    let mut contexts = Vec::new();
     let msgs: Vec<SendParams> = payloads
         .into_iter()
         .map(|payload| SendParams {
@@ -786,6 +789,7 @@ async fn send(
             attributes: {
                 let mut a = attributes.clone();
                 let context = parent.map_or_else(crate::trace::TraceParent::root, |p| p.child());
+                contexts.push(context);
                 a.push((crate::trace::TRACEPARENT_ATTRIBUTE.to_string(), context.to_string()));
                 if let Some(s) = &tracestate {
                     a.push((crate::trace::TRACESTATE_ATTRIBUTE.to_string(), s.clone()));
@@ -798,6 +802,11 @@ async fn send(
         })
         .collect();
     let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;
+    // The producer span of each message: its id is the message's context.
+    for c in &contexts {
+        telemetry.sent(&queue, c, parent.as_ref(), tracestate.as_deref(), started);
+    }
+    telemetry.shutdown().await;
     println!(
         "sent {sent} message(s) to {queue}{}",
         if dup > 0 {

@@ -89,6 +89,51 @@ struct RawAudit {
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    enabled: Option<bool>,
+    endpoint: Option<String>,
+    protocol: Option<String>,
+    service_name: Option<String>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+    timeout: Option<String>,
+    propagation: Option<String>,
+}
+
+impl RawTelemetry {
+    fn resolve(&self) -> anyhow::Result<crate::telemetry::TelemetryConfig> {
+        use crate::telemetry::{Propagation, Protocol};
+        Ok(crate::telemetry::TelemetryConfig {
+            enabled: self.enabled,
+            endpoint: self.endpoint.clone(),
+            protocol: match &self.protocol {
+                Some(p) => Some(
+                    Protocol::parse(p)
+                        .ok_or_else(|| anyhow::anyhow!("telemetry.protocol: {p:?} is not one of \"http/protobuf\", \"grpc\""))?,
+                ),
+                None => None,
+            },
+            service_name: self.service_name.clone(),
+            headers: self.headers.clone(),
+            timeout: match &self.timeout {
+                Some(t) => Some(at_most(
+                    "telemetry.timeout",
+                    parse_duration("telemetry.timeout", t)?,
+                    Duration::from_secs(60),
+                )?),
+                None => None,
+            },
+            propagation: match self.propagation.as_deref() {
+                None | Some("child") => Propagation::Child,
+                Some("link") => Propagation::Link,
+                Some(other) => anyhow::bail!("telemetry.propagation: {other:?} is not one of \"child\", \"link\""),
+            },
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct RawDeploy {
     watch: Option<PathBuf>,
     poll: Option<String>,
@@ -205,6 +250,8 @@ struct RawConfig {
     deploy: RawDeploy,
     #[serde(default)]
     audit: RawAudit,
+    #[serde(default)]
+    telemetry: RawTelemetry,
     #[serde(default, rename = "connector")]
     connectors: Vec<RawConnector>,
 }
@@ -287,6 +334,8 @@ pub struct Config {
     pub trust: crate::signing::Trust,
     /// How long audit entries are kept (`audit.retention`).
     pub audit_retention: Duration,
+    /// OpenTelemetry export (`[telemetry]`, and the `OTEL_*` variables).
+    pub telemetry: crate::telemetry::TelemetryConfig,
     /// After SIGINT/SIGTERM, how long in-flight messages may take to finish
     /// before the host exits anyway (their leases then expire).
     pub shutdown_grace: Duration,
@@ -873,6 +922,7 @@ impl Config {
             connectors,
             state_dir,
             admin: raw.admin.resolve(base)?,
+            telemetry: raw.telemetry.resolve()?,
             audit_retention: match &raw.audit.retention {
                 Some(r) => parse_duration("audit.retention", r)?,
                 None => AUDIT_RETENTION,

@@ -44,6 +44,7 @@ pub mod schema;
 pub mod shutdown;
 pub mod signing;
 pub mod store;
+pub mod telemetry;
 pub mod trace;
 pub mod value;
 

@@ -16,6 +16,7 @@ pub mod conformance;
 pub mod grpc_proxy;
 pub mod host;
 pub mod http;
+pub mod otlp;
 pub mod proxy;
 pub mod spanner;
 

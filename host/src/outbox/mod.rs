@@ -175,7 +175,7 @@ impl Handler for Dispatcher {
     }
 
     async fn handle(&self, msg: &Message, mut scope: ReadScope) -> HandleOutput {
-        let intent = match Intent::from_message(msg) {
+        let mut intent = match Intent::from_message(msg) {
             Ok(i) => i,
             Err(e) => {
                 return HandleOutput {
@@ -184,7 +184,19 @@ impl Handler for Dispatcher {
                 }
             }
         };
-        let result = match self.connector.deliver(&intent).await {
+        // The delivery's client span (telemetry on), under this run's
+        // handler call: its context is what the receiver gets.
+        let span = crate::telemetry::current().delivery(&intent.connector, self.connector.kind());
+        if let Some(t) = span.traceparent() {
+            intent.traceparent = Some(t.to_string());
+        }
+        let delivery = self.connector.deliver(&intent).await;
+        match &delivery {
+            Delivery::Delivered(detail) => span.event("delivered", vec![opentelemetry::KeyValue::new("onceq.detail", detail.clone())]),
+            Delivery::Retry { reason, .. } | Delivery::Refused(reason) => span.fail(reason),
+        }
+        span.end();
+        let result = match delivery {
             Delivery::Delivered(detail) => {
                 tracing::debug!(connector = %intent.connector, key = %intent.idempotency_key, "delivered: {detail}");
                 // Keep the key for the retention window, in the ack's

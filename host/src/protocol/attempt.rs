@@ -10,8 +10,10 @@
 
 use super::metrics::hist_record;
 use super::slot::Slot;
+use super::spans::{Produced, RunSpan};
 use super::{effects, retry, AttemptError, HandleOutput, Handler, HandlerFailure, Next, Outcome, QueueRunner, ReadScope, Rerun};
 use crate::store::{DeadLetterParams, LeasedMessage, RetryParams, StoreError};
+use crate::telemetry::{Active, CURRENT};
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -52,6 +54,7 @@ impl QueueRunner {
             failures = lm.failures,
             version = %version,
             trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
         if let Some(t) = crate::trace::of(&lm.message.attributes) {
@@ -110,21 +113,31 @@ impl QueueRunner {
     pub(super) async fn process_inner(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot) -> Outcome {
         let policy = &self.spec.policy;
         if lm.message.attempt > policy.max_deliveries {
-            return self.park(lm, handler).await;
+            return self.park(lm, handler, &Active::default()).await;
         }
         let mut unknown_seen = false;
         let mut reruns = 0u32;
         // Aborts in a row: contention (reads changed before commit).
         let mut contended = 0u32;
-        loop {
+        // The follow-ups and intents of the last run (for their spans).
+        let mut produced = Vec::new();
+        // This run's `process` span (none when telemetry is off).
+        let mut run = Active::default();
+        let outcome = loop {
             let priority = contended >= PRIORITY_AFTER;
-            let err = match self.attempt(lm, handler, slot, priority).await {
-                Ok(()) => return Outcome::Acked,
+            run.end();
+            run = self.process_span(lm, handler);
+            let err = match self.attempt(lm, handler, slot, priority, &run, &mut produced).await {
+                Ok(()) => {
+                    run.produced_all(&produced);
+                    break Outcome::Acked;
+                }
                 Err(e) => e,
             };
             if let AttemptError::Store(e) = &err {
                 self.metrics.store_error(e);
             }
+            run.run_failed(&err);
             match err {
                 AttemptError::Store(e) if e.is_retryable() || e.is_unknown_outcome() => match policy.rerun(&e, reruns) {
                     Rerun::Now => {
@@ -149,28 +162,41 @@ impl QueueRunner {
                             class = e.class(),
                             "store failing after {reruns} re-runs (setting queue.max_reruns): {e}; deferring the message, not counted as its failure"
                         );
-                        return self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen).await;
+                        break self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen, &run).await;
                     }
                 },
                 AttemptError::Store(StoreError::LeaseLost { .. }) => {
-                    return if unknown_seen {
+                    break if unknown_seen {
                         info!("ack refused after an unknown commit outcome: the earlier commit landed");
+                        // Its effects were this run's (a re-run emits the same).
+                        run.produced_all(&produced);
                         Outcome::AlreadyCommitted
                     } else {
                         warn!("lease lost before commit; rolled back, the new lease holder will process the message");
                         Outcome::LeaseLost
                     };
                 }
-                AttemptError::Store(e) => return self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen).await,
-                AttemptError::Handler(f) => return self.fail(lm, handler, f, unknown_seen).await,
+                AttemptError::Store(e) => break self.fail(lm, handler, HandlerFailure::from_store(e), unknown_seen, &run).await,
+                AttemptError::Handler(f) => break self.fail(lm, handler, f, unknown_seen, &run).await,
             }
-        }
+        };
+        run.outcome(&outcome);
+        run.end();
+        outcome
     }
 
     /// One run of steps 2-4. With `priority`, the store's committer is
     /// held for this message from before its reads to its commit (see
     /// [`PRIORITY_AFTER`]).
-    pub(super) async fn attempt(&self, lm: &LeasedMessage, handler: &dyn Handler, slot: &Slot, priority: bool) -> Result<(), AttemptError> {
+    pub(super) async fn attempt(
+        &self,
+        lm: &LeasedMessage,
+        handler: &dyn Handler,
+        slot: &Slot,
+        priority: bool,
+        run: &Active,
+        produced: &mut Vec<Produced>,
+    ) -> Result<(), AttemptError> {
         let turn = slot.handler_turn().await;
         let hold = if priority {
             match self.store.commit_hold().await {
@@ -185,9 +211,17 @@ impl QueueRunner {
         };
         let tx = self.store.transaction_begin().await.map_err(AttemptError::Store)?;
         let schema = self.store.schema();
-        let scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
+        let mut scope = ReadScope::new(tx, schema.clone(), self.tables.clone()).with_limits(&self.spec.limits);
         let called = Instant::now();
-        let HandleOutput { scope, result } = handler.handle(&lm.message, scope).await;
+        let HandleOutput { scope, result } = if run.is_recording() {
+            scope.logs = Some(Vec::new());
+            let call = run.handle(&lm.message.queue);
+            let out = CURRENT.scope(call.clone(), handler.handle(&lm.message, scope)).await;
+            call.handled(&out);
+            out
+        } else {
+            handler.handle(&lm.message, scope).await
+        };
         hist_record(&self.metrics.handler_us, called.elapsed());
         if let Some(n) = scope.instructions {
             self.metrics.record_instructions(handler.version(), n);
@@ -210,6 +244,9 @@ impl QueueRunner {
             }
             (None, Ok(e)) => e,
         };
+        if run.is_recording() {
+            *produced = Produced::of(&lm.message, &effects);
+        }
         let counts = match effects::check_and_buffer(
             &lm.message,
             handler.version(),
@@ -228,10 +265,15 @@ impl QueueRunner {
         tx.message_ack(&lm.lease);
         drop(turn); // the worker's next message may run its handler now
         slot.commit_started();
+        let settle = run.settle(&lm.message.queue, "ack");
+        if let Some(t) = settle.traceparent() {
+            tx.trace(t);
+        }
         let committed = match hold {
             Some(hold) => tx.commit_held(hold).await,
             None => tx.commit().await,
         };
+        settle.settled(&committed);
         slot.commit_ended();
         committed.map_err(AttemptError::Store)?;
         let m = &self.metrics;
@@ -243,7 +285,14 @@ impl QueueRunner {
 
     /// Step 5: retry later (a failure counted), defer (the host's trouble,
     /// not counted) or dead-letter, guarded by the lease token.
-    pub(super) async fn fail(&self, lm: &LeasedMessage, handler: &dyn Handler, failure: HandlerFailure, unknown_seen: bool) -> Outcome {
+    pub(super) async fn fail(
+        &self,
+        lm: &LeasedMessage,
+        handler: &dyn Handler,
+        failure: HandlerFailure,
+        unknown_seen: bool,
+        run: &Active,
+    ) -> Outcome {
         let failures = lm.failures;
         let policy = &self.spec.policy;
         // A reason is stored and shown: keep it bounded, whatever its source.
@@ -283,13 +332,13 @@ impl QueueRunner {
                 )
             }
         };
-        self.record(lm, handler, step, unknown_seen).await
+        self.record(lm, handler, step, unknown_seen, run).await
     }
 
     /// Park a message delivered more than `max_deliveries` times without
     /// reaching a verdict (a handler that takes its host down, leases that
     /// keep expiring): dead-lettered without running it again.
-    async fn park(&self, lm: &LeasedMessage, handler: &dyn Handler) -> Outcome {
+    async fn park(&self, lm: &LeasedMessage, handler: &dyn Handler, run: &Active) -> Outcome {
         let before = lm.message.attempt.saturating_sub(1);
         let without = before.saturating_sub(lm.failures);
         let reason = format!(
@@ -297,12 +346,26 @@ impl QueueRunner {
             lm.failures, self.spec.policy.max_deliveries
         );
         warn!("{reason}");
-        self.record(lm, handler, Step::Dead(reason, false), false).await
+        self.record(lm, handler, Step::Dead(reason, false), false, run).await
     }
 
     /// Write `step`, guarded by the lease token, re-trying what the store
     /// lets re-try.
-    async fn record(&self, lm: &LeasedMessage, handler: &dyn Handler, step: Step, unknown_seen: bool) -> Outcome {
+    async fn record(&self, lm: &LeasedMessage, handler: &dyn Handler, step: Step, unknown_seen: bool, run: &Active) -> Outcome {
+        let settle = run.settle(
+            &lm.message.queue,
+            match &step {
+                Step::Retry(p) if p.failed => "retry",
+                Step::Retry(_) => "defer",
+                Step::Dead(..) => "dead-letter",
+            },
+        );
+        let outcome = self.record_step(lm, handler, step, unknown_seen).await;
+        settle.end();
+        outcome
+    }
+
+    async fn record_step(&self, lm: &LeasedMessage, handler: &dyn Handler, step: Step, unknown_seen: bool) -> Outcome {
         let failures = lm.failures;
         let version = Some(handler.version().to_string());
         let mut tries = 0;

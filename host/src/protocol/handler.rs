@@ -258,6 +258,9 @@ pub struct ReadScope {
     /// Instructions the call ran (instantiation included), when the
     /// runtime counts them.
     pub instructions: Option<u64>,
+    /// The call's `log` lines (level, line), kept only when its span is
+    /// recorded (telemetry on): they become the span's events.
+    pub logs: Option<Vec<(&'static str, String)>>,
     max_reads: u64,
     max_read_bytes: usize,
 }
@@ -274,6 +277,7 @@ impl ReadScope {
             reading: false,
             read_bytes: 0,
             instructions: None,
+            logs: None,
             max_reads: super::EffectLimits::default().max_reads,
             max_read_bytes: super::EffectLimits::default().max_read_bytes,
         }
@@ -286,6 +290,14 @@ impl ReadScope {
         self.max_reads = limits.max_reads;
         self.max_read_bytes = limits.max_read_bytes;
         self
+    }
+
+    /// Keep a `log` line of the handler for its span, if the span is
+    /// recorded.
+    pub fn note_log(&mut self, level: &'static str, line: &str) {
+        if let Some(logs) = &mut self.logs {
+            logs.push((level, line.to_string()));
+        }
     }
 
     /// Count a read against `max_reads`.

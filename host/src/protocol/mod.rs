@@ -67,6 +67,7 @@ pub mod metrics;
 mod renew;
 pub mod retry;
 mod slot;
+mod spans;
 mod worker;
 
 pub use effects::{EffectError, EffectLimits, Grants};
@@ -179,6 +180,8 @@ pub struct QueueRunner {
     poll_gate: tokio::sync::Mutex<Duration>,
     /// The workers' lease requests, served together ([`lease`]).
     leases: lease::LeaseGroup,
+    /// Where this queue's spans go (off unless [`QueueRunner::set_telemetry`]).
+    telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
 }
 
 enum AttemptError {
@@ -200,7 +203,19 @@ impl QueueRunner {
             paused: AtomicBool::new(false),
             poll_gate: tokio::sync::Mutex::new(worker::IDLE_BACKOFF_MIN),
             leases: lease::LeaseGroup::default(),
+            telemetry: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Export this queue's spans through `telemetry` (once: a runner's
+    /// first telemetry stays).
+    pub fn set_telemetry(&self, telemetry: crate::telemetry::Telemetry) {
+        let _ = self.telemetry.set(telemetry);
+    }
+
+    fn telemetry(&self) -> &crate::telemetry::Telemetry {
+        static OFF: crate::telemetry::Telemetry = crate::telemetry::Telemetry::off();
+        self.telemetry.get().unwrap_or(&OFF)
     }
 
     /// Pause or resume this host's leases of the queue; returns whether

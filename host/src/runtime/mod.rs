@@ -638,6 +638,16 @@ impl bindings::onceq::handler::log::Host for HostState {
         let Some(message) = self.admit_log(message) else {
             return;
         };
+        self.scope.note_log(
+            match level {
+                Level::Trace => "trace",
+                Level::Debug => "debug",
+                Level::Info => "info",
+                Level::Warn => "warn",
+                Level::Error => "error",
+            },
+            &message,
+        );
         match level {
             Level::Trace => tracing::trace!(target: "onceq::guest", "{message}"),
             Level::Debug => tracing::debug!(target: "onceq::guest", "{message}"),

@@ -50,7 +50,24 @@ pub struct Pending {
     /// (queue, key, window): keep a dedup key for `window` from commit.
     pub holds: Vec<(String, String, Duration)>,
     pub ack: Option<Lease>,
+    /// The span this message's commit is part of (its `settle` span), for
+    /// the batch's span when telemetry is on ([`BatchReport`]).
+    pub trace: Option<crate::trace::TraceParent>,
 }
+
+/// One group commit, told to the [`BatchObserver`] (the telemetry's
+/// `commit` span): when it started, the traced members, how many messages
+/// and how many of them failed.
+#[derive(Debug, Clone)]
+pub struct BatchReport {
+    pub started: std::time::SystemTime,
+    pub members: Vec<crate::trace::TraceParent>,
+    pub count: usize,
+    pub failed: usize,
+}
+
+/// Told of every batch the committer commits.
+pub type BatchObserver = Arc<dyn Fn(BatchReport) + Send + Sync>;
 
 /// Most [`Pending::mutations`] one batch commits, whatever `max_batch`
 /// says: half of Spanner's 80,000 mutations a commit, the rest left for
@@ -231,6 +248,10 @@ impl<S: Snapshot + 'static> Transaction for Buffered<S> {
 
     fn message_ack(&mut self, lease: &Lease) {
         self.pending.ack(lease)
+    }
+
+    fn trace(&mut self, span: crate::trace::TraceParent) {
+        self.pending.trace = Some(span);
     }
 
     async fn commit(self: Box<Self>) -> StoreResult<()> {
@@ -476,6 +497,8 @@ pub struct Group {
     /// Batches committed and messages in them (`/metrics`, `make bench`).
     batches: Arc<std::sync::atomic::AtomicU64>,
     messages: Arc<std::sync::atomic::AtomicU64>,
+    /// Told of each batch, once set ([`Group::observe`]).
+    observer: Arc<std::sync::OnceLock<BatchObserver>>,
     #[cfg(feature = "fault-injection")]
     faults: Arc<super::faulty::BatchFaultCounts>,
 }
@@ -509,9 +532,16 @@ impl Group {
             stopped: std::sync::atomic::AtomicBool::new(false),
             batches: Default::default(),
             messages: Default::default(),
+            observer: Default::default(),
             #[cfg(feature = "fault-injection")]
             faults,
         }
+    }
+
+    /// Tell `observer` of every batch from now on (the first observer
+    /// stays: one per store).
+    pub fn observe(&self, observer: BatchObserver) {
+        let _ = self.observer.set(observer);
     }
 
     pub fn options(&self) -> CommitOptions {
@@ -625,7 +655,13 @@ impl Group {
         // On a single-threaded runtime (tests with a paused clock) the
         // committer shares its one thread anyway.
         let own_thread = self.driver.blocks() && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
-        let run = committer(r, self.driver.clone(), self.options, self.batches.clone(), self.messages.clone());
+        let run = committer(
+            r,
+            self.driver.clone(),
+            self.options,
+            (self.batches.clone(), self.messages.clone()),
+            self.observer.clone(),
+        );
         let run = async move {
             run.await;
             ended_tx.send_replace(true);
@@ -666,8 +702,8 @@ async fn committer(
     mut rx: mpsc::Receiver<Job>,
     driver: Arc<dyn BatchCommit>,
     options: CommitOptions,
-    batches: Arc<std::sync::atomic::AtomicU64>,
-    messages: Arc<std::sync::atomic::AtomicU64>,
+    (batches, messages): (Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>),
+    observer: Arc<std::sync::OnceLock<BatchObserver>>,
 ) {
     // Work and holds met while collecting a batch, for after it, in order.
     let mut carried: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
@@ -697,6 +733,10 @@ async fn committer(
         // (up to max_batch), their senders in the same order, and the other
         // jobs queued among them, for after the batch.
         let queue = Mutex::new((Some(first), &mut rx, Vec::new(), &mut carried));
+        // The traced members, when someone observes the batches.
+        let observer = observer.get();
+        let traced = Mutex::new(Vec::new());
+        let started = observer.map(|_| std::time::SystemTime::now());
         let collect = || {
             let mut q = queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let (first, rx, senders, later) = &mut *q;
@@ -725,6 +765,12 @@ async fn committer(
                     }
                 }
             }
+            if observer.is_some() {
+                traced
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .extend(batch.iter().filter_map(|p| p.trace));
+            }
             batch
         };
         let results = driver.commit_collected(&collect).await;
@@ -735,6 +781,14 @@ async fn committer(
         }
         batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         messages.fetch_add(senders.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        if let (Some(observe), Some(started)) = (observer, started) {
+            observe(BatchReport {
+                started,
+                members: traced.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()),
+                count: senders.len(),
+                failed: results.iter().filter(|r| r.is_err()).count(),
+            });
+        }
         let mut results = results.into_iter();
         for tx in senders {
             let r = results

@@ -164,6 +164,9 @@ impl Store for FaultyStore {
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         self.inner.commit_stats()
     }
+    fn commit_observe(&self, observer: commit::BatchObserver) {
+        self.inner.commit_observe(observer)
+    }
     fn schema(&self) -> Arc<Schema> {
         self.inner.schema()
     }
@@ -329,6 +332,9 @@ impl Transaction for FaultyTransaction {
     }
     fn message_ack(&mut self, lease: &Lease) {
         self.inner.message_ack(lease)
+    }
+    fn trace(&mut self, span: crate::trace::TraceParent) {
+        self.inner.trace(span)
     }
     async fn commit(self: Box<Self>) -> StoreResult<()> {
         let injector = self.injector.clone();

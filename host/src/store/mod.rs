@@ -429,6 +429,10 @@ pub trait Store: Send + Sync + 'static {
     /// injector) must forward each one, or the compiler says so.
     fn commit_stats(&self) -> Option<commit::CommitStats>;
 
+    /// Tell `observer` of every group commit (telemetry's `commit` span);
+    /// a store without group commit has none to tell.
+    fn commit_observe(&self, _observer: commit::BatchObserver) {}
+
     /// The business tables, as read from the database when it was opened.
     fn schema(&self) -> Arc<Schema>;
 
@@ -665,6 +669,11 @@ pub trait Transaction: Send {
 
     /// Buffer the ack: delete the message, asserting exactly one row.
     fn message_ack(&mut self, lease: &Lease);
+
+    /// The span this message's commit belongs to, for the span of the
+    /// batch that commits it (telemetry). Ignored by stores without group
+    /// commit.
+    fn trace(&mut self, _span: crate::trace::TraceParent) {}
 
     /// Apply everything atomically, or nothing.
     async fn commit(self: Box<Self>) -> StoreResult<()>;

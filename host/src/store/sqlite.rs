@@ -983,6 +983,10 @@ impl Store for SqliteStore {
         Some(self.inner.group.stats())
     }
 
+    fn commit_observe(&self, observer: commit::BatchObserver) {
+        self.inner.group.observe(observer)
+    }
+
     fn schema(&self) -> Arc<Schema> {
         self.inner.schema.clone()
     }

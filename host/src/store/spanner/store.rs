@@ -245,6 +245,10 @@ impl Store for SpannerStore {
         "spanner"
     }
 
+    fn commit_observe(&self, observer: commit::BatchObserver) {
+        self.group.observe(observer)
+    }
+
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         let mut stats = self.group.stats();
         stats.split_batches = self.splits.load(std::sync::atomic::Ordering::Relaxed);
