@@ -28,7 +28,7 @@ JS_GUESTS    := payments inventory fixtures/sdk
 MDBOOK_VERSION := 0.4.52
 MDBOOK       := tools/mdbook/bin/mdbook
 
-.PHONY: all tools browser screenshots guests guests-python guests-js build install run run-spanner test test-build chaos bench sim docs lint fmt clean emulator
+.PHONY: all tools browser screenshots trace-picture guests guests-python guests-js build install run run-spanner test test-build chaos bench sim docs lint fmt clean emulator
 
 all: build guests
 
@@ -49,6 +49,13 @@ screenshots: browser guests
 	$(CARGO) test $(TEST_PROFILE) --test integration -- console::
 	mkdir -p docs/src/console
 	cp target/console-screenshots/*.png docs/src/console/
+
+## trace-picture: one message's trace as the telemetry test received it,
+## into the docs
+trace-picture: guests
+	$(CARGO) test $(TEST_PROFILE) --test integration -- telemetry::one_trace
+	mkdir -p docs/src/tracing
+	cp target/telemetry/trace.svg docs/src/tracing/
 
 ## guests: build the guest SDK, the examples and the test fixtures (own
 ## workspace), the Python examples when python3 is present and the

@@ -150,6 +150,10 @@ async fn one_trace_runs_from_send_through_a_re_run_to_the_webhook_s_traceparent(
     })
     .await;
     let spans = otlp.spans();
+    // The picture in the docs (`make trace-picture`).
+    let out = repo_root().join("target/telemetry");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("trace.svg"), common::otlp::render_svg(&spans)).unwrap();
     // The producer's span: its id is the message's creation context.
     let sent = one(&otlp.named("send hostile"), "send hostile");
     assert_eq!(sent.service, "checkout", "OTEL_SERVICE_NAME names the producer");
@@ -282,8 +286,8 @@ async fn nothing_is_exported_unless_telemetry_is_on() {
         ),
     );
     send(dir, "trace ledger", &[]).await;
-    let mut run = onceq_command(dir, &["run", "--until-empty"]);
-    run.env(env[0].0, &env[0].1);
+    let mut run = onceq_command(dir, &["run", "--until-empty", "--log-format", "json"]);
+    run.env(env[0].0, &env[0].1).env("RUST_LOG", "info");
     let out = run.output().await.unwrap();
     assert!(out.status.success(), "run: {}", String::from_utf8_lossy(&out.stderr));
     wait_until("the host's spans", Duration::from_secs(30), || async {
@@ -297,4 +301,13 @@ async fn nothing_is_exported_unless_telemetry_is_on() {
     assert_eq!((run.trace_id(), run.parent()), (sent.trace_id(), sent.span_id()));
     assert!(spans.iter().any(|s| s.span.name == "commit"), "the batch commit span");
     assert_eq!(hook.seen().len(), 2);
+    // The handler's log line, as JSON, carries the run's trace and span.
+    let log = String::from_utf8_lossy(&out.stderr);
+    let line = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with("tracing ")))
+        .unwrap_or_else(|| panic!("the handler's log line: {log}"));
+    assert_eq!(line["span"]["trace_id"].as_str(), Some(run.trace_id().as_str()), "{line}");
+    assert_eq!(line["span"]["span_id"].as_str(), Some(run.span_id().as_str()), "{line}");
 }

@@ -191,3 +191,109 @@ async fn handle(
             .unwrap())
     }
 }
+
+/// One trace as an SVG waterfall: a row per span in tree order (children
+/// under their parent, by start time), a bar from its start to its end on
+/// a shared time axis, named `name (kind)` and coloured by kind; links are
+/// listed after the name. What `make trace-picture` puts in the docs.
+pub fn render_svg(spans: &[Got]) -> String {
+    let mut spans: Vec<&Got> = spans.iter().collect();
+    spans.sort_by_key(|g| g.span.start_time_unix_nano);
+    let ids: std::collections::BTreeSet<String> = spans.iter().map(|g| g.span_id()).collect();
+    // Tree order: roots (no parent among these spans) first, depth-first.
+    let mut rows: Vec<(&Got, usize)> = Vec::new();
+    fn walk<'a>(g: &'a Got, depth: usize, all: &[&'a Got], rows: &mut Vec<(&'a Got, usize)>) {
+        rows.push((g, depth));
+        for c in all.iter().filter(|c| c.parent() == g.span_id()) {
+            walk(c, depth + 1, all, rows);
+        }
+    }
+    for g in spans.iter().filter(|g| !ids.contains(&g.parent())) {
+        walk(g, 0, &spans, &mut rows);
+    }
+    let start = spans.iter().map(|g| g.span.start_time_unix_nano).min().unwrap_or(0);
+    let end = spans
+        .iter()
+        .map(|g| g.span.end_time_unix_nano)
+        .max()
+        .unwrap_or(start + 1)
+        .max(start + 1);
+    // Idle stretches (no span open) longer than a tenth of the whole, such
+    // as the producer's exit and the host's start, are cut to a sliver.
+    let mut intervals: Vec<(u64, u64)> = spans
+        .iter()
+        .map(|g| (g.span.start_time_unix_nano, g.span.end_time_unix_nano))
+        .collect();
+    intervals.sort();
+    let mut gaps: Vec<(u64, u64)> = Vec::new();
+    let mut covered = start;
+    for (s, e) in intervals {
+        if s > covered && s - covered > (end - start) / 10 {
+            gaps.push((covered, s));
+        }
+        covered = covered.max(e);
+    }
+    let cut: u64 = gaps.iter().map(|(a, b)| b - a).sum();
+    let shown = (end - start - cut).max(1) as f64;
+    let (label_w, bar_w, row_h, sliver) = (430.0, 520.0, 24.0, 12.0);
+    let scale = (bar_w - sliver * gaps.len() as f64) / shown;
+    let x = |t: u64| {
+        let mut px = label_w;
+        let mut at = start;
+        for (a, b) in &gaps {
+            if t <= *a {
+                break;
+            }
+            px += (a - at) as f64 * scale + sliver;
+            at = *b;
+            if t < *b {
+                return px;
+            }
+        }
+        px + t.saturating_sub(at) as f64 * scale
+    };
+    let height = 40.0 + row_h * rows.len() as f64 + 30.0;
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{height}\" font-family=\"monospace\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"8\" y=\"20\" font-weight=\"bold\">one message's trace ({n} spans, {ms:.1} ms): onceq send, a re-run after an unknown commit, a follow-up and a webhook delivery</text>\n",
+        w = label_w + bar_w + 20.0,
+        n = rows.len(),
+        ms = (end - start) as f64 / 1e6,
+    );
+    for (a, _) in &gaps {
+        let gx = x(*a) + sliver / 2.0;
+        svg.push_str(&format!(
+            "<line x1=\"{gx:.1}\" y1=\"30\" x2=\"{gx:.1}\" y2=\"{y2}\" stroke=\"#bbb\" stroke-dasharray=\"3,3\"/>\n",
+            y2 = 40.0 + row_h * rows.len() as f64
+        ));
+    }
+    for (i, (g, depth)) in rows.iter().enumerate() {
+        let y = 40.0 + row_h * i as f64;
+        let (kind, colour) = match g.span.kind {
+            2 => ("server", "#8e6bbf"),
+            3 => ("client", "#d9822b"),
+            4 => ("producer", "#2b8a3e"),
+            5 => ("consumer", "#1c7ed6"),
+            _ => ("internal", "#868e96"),
+        };
+        let links = if g.span.links.is_empty() {
+            String::new()
+        } else {
+            format!(" ↔{}", g.span.links.len())
+        };
+        let name = format!("{}{} ({kind}){links}", "  ".repeat(*depth), g.span.name)
+            .replace('&', "&amp;")
+            .replace('<', "&lt;");
+        let (x0, x1) = (x(g.span.start_time_unix_nano), x(g.span.end_time_unix_nano));
+        svg.push_str(&format!(
+            "<text x=\"8\" y=\"{ty}\" xml:space=\"preserve\">{name}</text>\n<rect x=\"{x0:.1}\" y=\"{ry}\" width=\"{bw:.1}\" height=\"14\" rx=\"2\" fill=\"{colour}\"/>\n",
+            ty = y + 12.0,
+            ry = y + 1.0,
+            bw = (x1 - x0).max(2.0),
+        ));
+    }
+    svg.push_str(&format!(
+        "<text x=\"8\" y=\"{y}\" fill=\"#555\">green producer · blue consumer · orange client · grey internal · ↔ links (a commit links to each message it committed) · dashed: idle time cut</text>\n</svg>\n",
+        y = height - 10.0
+    ));
+    svg
+}
