@@ -32,6 +32,8 @@ use std::time::{Duration, Instant};
 mod console;
 #[path = "pipeline/history.rs"]
 mod history;
+#[path = "pipeline/telemetry.rs"]
+mod telemetry;
 
 const PAYMENTS_SQL: &str = include_str!("../../guest-examples/payments/schema.sql");
 const ACCOUNTS: usize = 1000;
@@ -1181,6 +1183,10 @@ fn main() {
             tokio::task::block_in_place(|| console::console(dir.path(), &component));
             return;
         }
+        if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("telemetry") {
+            tokio::task::block_in_place(|| telemetry::telemetry(dir.path(), &component));
+            return;
+        }
         if std::env::var("ONCEQ_BENCH_ONLY").as_deref() == Ok("cli") {
             tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
             return;
@@ -1320,6 +1326,7 @@ fn main() {
         group_commit(dir.path(), wasm.clone(), n).await;
         tokio::task::block_in_place(|| through_the_cli(dir.path(), &component, env_usize("ONCEQ_BENCH_CLI_MESSAGES", 20_000)));
         tokio::task::block_in_place(|| console::console(dir.path(), &component));
+        tokio::task::block_in_place(|| telemetry::telemetry(dir.path(), &component));
 
         languages(&root, &component, dir.path(), schema.clone(), calls).await;
         instruction_counting(&root, &component, dir.path(), schema.clone(), calls).await;

@@ -141,6 +141,7 @@ impl RunSpan for Active {
                 vec![KeyValue::new("log.severity", *level), KeyValue::new("log.message", line.clone())],
             );
         }
+        self.attribute(KeyValue::new("onceq.reads", out.scope.reads as i64));
         if let Err(f) = &out.result {
             self.fail(&f.to_string());
         }
