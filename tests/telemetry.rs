@@ -311,3 +311,62 @@ async fn nothing_is_exported_unless_telemetry_is_on() {
     assert_eq!(line["span"]["trace_id"].as_str(), Some(run.trace_id().as_str()), "{line}");
     assert_eq!(line["span"]["span_id"].as_str(), Some(run.span_id().as_str()), "{line}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
+    let otlp = Otlp::start().await;
+    let db = TestDb::new(HOSTILE_SQL);
+    let created = onceq::trace::TraceParent::root();
+    db.store
+        .message_send(vec![onceq::store::SendParams {
+            queue: "slow".into(),
+            payload: b"x".to_vec(),
+            attributes: vec![(onceq::trace::TRACEPARENT_ATTRIBUTE.into(), created.to_string())],
+            ..Default::default()
+        }])
+        .await
+        .unwrap();
+    let telemetry = Telemetry::start(&TelemetryConfig {
+        enabled: Some(true),
+        endpoint: Some(otlp.http_url()),
+        propagation: onceq::telemetry::Propagation::Link,
+        ..TelemetryConfig::default()
+    })
+    .unwrap();
+    // A handler that takes 1.5 leases: renewed every third of one.
+    let slow = onceq::protocol::NativeHandler::new("slow", |_m, scope| async move {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        onceq::protocol::HandleOutput { scope, result: Ok(vec![]) }
+    });
+    let r = runner(
+        &db.store,
+        "slow",
+        Arc::new(slow),
+        grants(&[], &[], &[]),
+        Policy {
+            lease: Duration::from_millis(600),
+            ..policy(1, 3)
+        },
+    );
+    r.set_telemetry(telemetry.clone());
+    drain(&db.store, std::slice::from_ref(&r)).await;
+    telemetry.shutdown().await;
+    assert_eq!(r.metrics.processed.load(std::sync::atomic::Ordering::Relaxed), 1);
+    wait_until("the spans", Duration::from_secs(30), || async {
+        !otlp.named("process slow").is_empty()
+    })
+    .await;
+    let renewals = otlp.named("renew slow");
+    assert!(!renewals.is_empty(), "renewal spans: {:#?}", otlp.spans());
+    for s in &renewals {
+        assert_eq!(s.span.kind, 3, "CLIENT");
+        assert_eq!(s.links(), vec![created.span_id_hex()], "linked to the message");
+        assert_eq!(s.attr("onceq.renewed").as_deref(), Some("1"));
+        assert_eq!(s.attr("messaging.operation.type").as_deref(), Some("renew"));
+    }
+    // propagation = "link": the run is a trace of its own, linked.
+    let run = one(&otlp.named("process slow"), "process slow");
+    assert_ne!(run.trace_id(), created.trace_id_hex());
+    assert_eq!(run.parent(), "");
+    assert_eq!(run.links(), vec![created.span_id_hex()]);
+}

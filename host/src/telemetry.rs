@@ -15,7 +15,8 @@
 //! | `handle {queue}` | internal | the handler call; its `ctx.log` lines are its events |
 //! | `settle {queue}` | client | the ack committed with the effects, or the failure recorded |
 //! | `send {queue}` / `create {connector}` | producer | each follow-up and intent of the run that committed; the span id is the effect's derived context |
-//! | `commit` | internal | one group commit: `messaging.batch.message_count`, a link per message's `process` span |
+//! | `commit` | internal | one group commit: `messaging.batch.message_count`, a link per message's `settle` span |
+//! | `renew {queue}` | client | one lease renewal of a worker's batch, a link per renewed message's creation context |
 //! | `send {connector}` | client | an outbox delivery (under the outbox queue's `process` span); a webhook receives its context as `traceparent` |
 //!
 //! Failures, re-runs, retries, dead letters, "already committed" and a
@@ -408,6 +409,32 @@ impl Telemetry {
         store.commit_observe(std::sync::Arc::new(move |b: crate::store::commit::BatchReport| {
             me.batch_committed(b.started, &b.members, b.count, b.failed)
         }));
+    }
+
+    /// One renewal round of a worker's batch on `queue`: a link to each
+    /// renewed message's creation context, how many were held and lost, or
+    /// the error that failed the round.
+    pub fn renewed(&self, queue: &str, started: SystemTime, members: &[TraceParent], held: usize, lost: usize, error: Option<String>) {
+        let Some(inner) = &self.inner else { return };
+        let links = members.iter().map(|m| Link::with_context(span_context(m, None, true))).collect();
+        let mut attributes = messaging("renew", queue);
+        attributes.push(KeyValue::new("messaging.batch.message_count", (held + lost) as i64));
+        attributes.push(KeyValue::new("onceq.renewed", held as i64));
+        attributes.push(KeyValue::new("onceq.lost", lost as i64));
+        let b = inner
+            .tracer
+            .span_builder(format!("renew {queue}"))
+            .with_kind(SpanKind::Client)
+            .with_start_time(started)
+            .with_links(links)
+            .with_attributes(attributes);
+        let mut span = Self::start_span(inner, b, &Context::new(), (None, None));
+        match error {
+            Some(e) => span.set_status(Status::error(e)),
+            None if lost > 0 => span.set_status(Status::error(format!("{lost} lease(s) lost: another holder has them"))),
+            None => {}
+        }
+        span.end();
     }
 
     /// The one span of a group commit of `count` messages: a link to each

@@ -35,6 +35,8 @@ impl QueueRunner {
             // Past this, another host may own these messages: the
             // renewal must have answered by then.
             let deadline = renewed_at + lease - lease / 10;
+            let started = self.telemetry().is_on().then(std::time::SystemTime::now);
+            let mut outcome = (0, 0, None);
             let all_ok = leases.is_empty()
                 || match tokio::time::timeout_at(deadline, self.store.message_lease_renew(&leases, lease))
                     .await
@@ -47,18 +49,29 @@ impl QueueRunner {
                         for (&j, held) in due.iter().zip(held) {
                             if held {
                                 self.metrics.lease_renewals.fetch_add(1, Ordering::Relaxed);
+                                outcome.0 += 1;
                             } else if let Some(slot) = slots.get(j) {
                                 slot.lose();
+                                outcome.1 += 1;
                             }
                         }
                         true
                     }
                     Err(e) => {
+                        outcome.2 = Some(e.to_string());
                         self.metrics.store_error(&e);
                         warn!(queue = %self.spec.name, leases = leases.len(), class = e.class(), "lease renewal failed (will retry): {e}");
                         false
                     }
                 };
+            if let (Some(started), false) = (started, leases.is_empty()) {
+                let members: Vec<_> = due
+                    .iter()
+                    .filter_map(|&j| batch.get(j).and_then(|lm| crate::trace::of(&lm.message.attributes)))
+                    .collect();
+                let (held, lost, error) = outcome;
+                self.telemetry().renewed(&self.spec.name, started, &members, held, lost, error);
+            }
             if all_ok {
                 renewed_at = round;
                 next = round + lease / 3;
