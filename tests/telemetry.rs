@@ -370,3 +370,106 @@ async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
     assert_eq!(run.parent(), "");
     assert_eq!(run.links(), vec![created.span_id_hex()]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_sends_a_message_in_the_caller_s_trace() {
+    let otlp = Otlp::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("schema.sql"), HOSTILE_SQL).unwrap();
+    let sha = |s: &str| common::otlp::hex(&onceq::access::digest(s));
+    std::fs::write(
+        d.join("onceq.toml"),
+        format!(
+            r#"store = "db.sqlite"
+schema = "schema.sql"
+[admin]
+listen = "127.0.0.1:0"
+[[admin.tokens]]
+name = "ops"
+role = "operator"
+queues = ["hostile"]
+sha256 = "{ops}"
+[[admin.tokens]]
+name = "watcher"
+role = "viewer"
+sha256 = "{viewer}"
+[telemetry]
+enabled = true
+endpoint = "{otlp}"
+[[queue]]
+name = "hostile"
+handler = "{h}"
+tables = ["hostile_log"]
+"#,
+            ops = sha("ops-secret"),
+            viewer = sha("viewer-secret"),
+            otlp = otlp.http_url(),
+            h = guest("hostile").display(),
+        ),
+    )
+    .unwrap();
+    let mut host = common::host::Host::new(dir);
+    host.ok(&["init"]).await;
+    host.start().await;
+    let post = |token: &str, headers: &[(&str, &str)], query: &str, queue: &str| {
+        let mut req = host
+            .http
+            .post(host.url(&format!("/v1/queues/{queue}/messages{query}")))
+            .bearer_auth(token)
+            .body("ok");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.send()
+    };
+    let caller = onceq::trace::TraceParent::root();
+    let r = post(
+        "ops-secret",
+        &[("traceparent", &caller.to_string()), ("tracestate", "team=pay")],
+        "",
+        "hostile",
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    let sent: serde_json::Value = r.json().await.unwrap();
+    let context = onceq::trace::TraceParent::parse(sent["traceparent"].as_str().unwrap()).unwrap();
+    assert_eq!(context.trace_id, caller.trace_id, "in the caller's trace");
+    assert_ne!(context.span_id, caller.span_id);
+    // Refusals name the problem; nothing is sent.
+    let r = post("ops-secret", &[("traceparent", "00-nope")], "", "hostile").await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("traceparent header"));
+    let r = post("viewer-secret", &[], "", "hostile").await.unwrap();
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await.unwrap().contains("may not send messages"));
+    let r = post("ops-secret", &[], "", "elsewhere").await.unwrap();
+    assert_eq!(r.status(), 403, "outside the token's queues");
+    let r = post("ops-secret", &[], "?delay=soon", "hostile").await.unwrap();
+    assert_eq!(r.status(), 400);
+
+    // The producer span is the message's context, a child of the caller's;
+    // the run is its child.
+    wait_until("the run's span", Duration::from_secs(60), || async {
+        !otlp.named("process hostile").is_empty()
+    })
+    .await;
+    let send = one(&otlp.named("send hostile"), "send hostile");
+    assert_eq!(send.trace_id(), caller.trace_id_hex());
+    assert_eq!(send.span_id(), context.span_id_hex());
+    assert_eq!(send.parent(), caller.span_id_hex());
+    let run = one(&otlp.named("process hostile"), "process hostile");
+    assert_eq!((run.trace_id(), run.parent()), (caller.trace_id_hex(), context.span_id_hex()));
+    host.token = Some("ops-secret".into());
+    let (status, audit) = host.get("/v1/audit").await;
+    assert_eq!(status, 200);
+    let audit: Vec<serde_json::Value> = serde_json::from_str(&audit).unwrap();
+    assert!(
+        audit.iter().any(|e| e["action"] == "send"
+            && e["actor"] == "ops"
+            && e["subject"].as_str().unwrap().starts_with(sent["id"].as_str().unwrap())),
+        "{audit:#?}"
+    );
+    host.stop().await;
+}

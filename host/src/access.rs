@@ -54,6 +54,8 @@ pub enum Action {
     Deploy,
     /// Replay or discard dead letters.
     Operate,
+    /// Send a message through the admin API.
+    Send,
 }
 
 impl Action {
@@ -62,6 +64,7 @@ impl Action {
             Action::Read => "read",
             Action::Deploy => "deploy or roll back",
             Action::Operate => "replay or discard dead letters",
+            Action::Send => "send messages",
         }
     }
 
@@ -70,7 +73,7 @@ impl Action {
         match self {
             Action::Read => "any role",
             Action::Deploy => "role deployer or admin",
-            Action::Operate => "role operator or admin",
+            Action::Operate | Action::Send => "role operator or admin",
         }
     }
 }
@@ -162,7 +165,7 @@ impl Token {
     pub fn check(&self, action: Action, queue: Option<&str>) -> Result<(), String> {
         let allowed = matches!(
             (self.role, action),
-            (Role::Admin, _) | (_, Action::Read) | (Role::Deployer, Action::Deploy) | (Role::Operator, Action::Operate)
+            (Role::Admin, _) | (_, Action::Read) | (Role::Deployer, Action::Deploy) | (Role::Operator, Action::Operate | Action::Send)
         );
         if !allowed {
             return Err(format!(

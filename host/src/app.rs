@@ -244,20 +244,21 @@ async fn serve(
     admin.starting("loading the handlers");
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
     let host = crate::host::Host::assemble(cfg, store.clone(), runtime)?;
+    let deployer = host
+        .deployer
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("an assembled host has a deployer"))?;
     let telemetry = crate::telemetry::Telemetry::start(&cfg.telemetry)?;
     for r in &host.runners {
         r.set_telemetry(telemetry.clone());
     }
     telemetry.observe_commits(store.as_ref());
-    let deployer = host
-        .deployer
-        .clone()
-        .ok_or_else(|| anyhow::anyhow!("an assembled host has a deployer"))?;
     admin.serve_with(crate::admin::Serving {
         store: store.clone(),
         runners: host.runners.clone(),
         deployer: deployer.clone(),
         outbox_retention: cfg.outbox.retention,
+        telemetry: telemetry.clone(),
     });
     if let Some((dir, every)) = &cfg.watch {
         background.spawn(deployer.watch(dir.clone(), *every, background_shutdown.clone()));

@@ -303,6 +303,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
                 runners: runners.clone(),
                 deployer,
                 outbox_retention: cfg.outbox.retention,
+                telemetry: crate::telemetry::Telemetry::off(),
             });
             admin.set_ready();
             let listener = tokio::net::TcpListener::bind(&args.console)

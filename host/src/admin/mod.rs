@@ -17,6 +17,7 @@
 //! | GET | `/v1/overview` | every queue's counts, paused or not, active version, this host's rates, latency and in-flight work, the oldest ready message's age; every connector's outbox with its retry backlog and last error; the hosts seen in the last hour (heartbeats every 10 s) serving the caller's queues |
 //! | GET | `/v1/history?queue=Q` | the last hour of this host's samples of a queue (every 10 s): processed, failed, p50/p99, in flight |
 //! | GET | `/v1/queues/{queue}/messages?state=ready\|delayed\|leased\|dead` | a page of messages in that state, along the queue's index (`after` = the previous page's `next`, `limit` ≤ 500); filters `field`+`value` (a payload JSON path), `contains`, `attr=name[=value]`, `error`, `reason` (a group of `/v1/dead/reasons`), `since`, `until`, `id`; a page reads at most 20,000 rows and says how many (`scanned`) |
+//! | POST | `/v1/queues/{queue}/messages[?dedup_key=K&delay=30s]` | send the body as one message to a queue this host serves, in the caller's trace when a `traceparent` header comes with it (operator; audited) |
 //! | POST | `/v1/queues/{queue}/pause`, `/resume` | a paused queue leases nothing on any host; what is in flight finishes (operator) |
 //! | GET | `/v1/messages/{id}` | one message, live or dead: payload (exact bytes in base64 when not UTF-8), attributes, deliveries, failures, last error, lease expiry; the message that produced it, and what a processed message produced that is still stored |
 //! | GET | `/v1/dead/reasons?queue=Q` | dead letters grouped by reason, numbers and long ids folded |
@@ -43,6 +44,7 @@
 
 pub mod browse;
 pub mod console;
+mod send;
 
 use crate::deploy::{DeployFailure, Deployer};
 use crate::outbox;
@@ -92,6 +94,8 @@ pub struct Serving {
     pub deployer: Arc<Deployer>,
     /// How long delivered intents' keys are kept (`outbox.retention`).
     pub outbox_retention: Duration,
+    /// Where the producer spans of messages sent through the API go.
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 impl std::fmt::Debug for Admin {
@@ -578,7 +582,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/v1/audit", get(audit_trail))
         .route("/v1/overview", get(browse::overview))
         .route("/v1/history", get(browse::history))
-        .route("/v1/queues/{queue}/messages", get(browse::messages))
+        .route("/v1/queues/{queue}/messages", get(browse::messages).post(send::send))
         .route("/v1/queues/{queue}/pause", post(browse::pause))
         .route("/v1/queues/{queue}/resume", post(browse::resume))
         .route("/v1/messages/{id}", get(browse::message))
