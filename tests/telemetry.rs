@@ -334,7 +334,9 @@ async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
     })
     .unwrap();
     // A handler that takes 1.5 leases: renewed every third of one.
-    let slow = onceq::protocol::NativeHandler::new("slow", |_m, scope| async move {
+    let slow = onceq::protocol::NativeHandler::new("slow", |_m, mut scope| async move {
+        let read = scope.get("hostile_log", &[onceq::value::Value::String("x".into())]).await;
+        assert_eq!(read.unwrap(), None);
         tokio::time::sleep(Duration::from_millis(900)).await;
         onceq::protocol::HandleOutput { scope, result: Ok(vec![]) }
     });
@@ -342,7 +344,7 @@ async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
         &db.store,
         "slow",
         Arc::new(slow),
-        grants(&[], &[], &[]),
+        grants(&["hostile_log"], &[], &[]),
         Policy {
             lease: Duration::from_millis(600),
             ..policy(1, 3)
@@ -369,6 +371,14 @@ async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
     assert_ne!(run.trace_id(), created.trace_id_hex());
     assert_eq!(run.parent(), "");
     assert_eq!(run.links(), vec![created.span_id_hex()]);
+    // Its store read, under the handler call.
+    let call = one(&otlp.named("handle slow"), "handle slow");
+    assert_eq!(call.parent(), run.span_id());
+    assert_eq!(call.attr("onceq.reads").as_deref(), Some("1"));
+    let read = one(&otlp.named("get hostile_log"), "get hostile_log");
+    assert_eq!((read.parent(), read.span.kind), (call.span_id(), 3));
+    assert_eq!(read.attr("db.collection.name").as_deref(), Some("hostile_log"));
+    assert_eq!(read.attr("db.response.returned_rows").as_deref(), Some("0"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

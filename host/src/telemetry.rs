@@ -13,6 +13,7 @@
 //! | `send {queue}` | producer | `onceq send`, one per message; its span id is the message's creation context |
 //! | `process {queue}` | consumer | each run of the handler (a re-run after an abort or an unknown outcome is another), a child of the creation context (or a new trace with a link to it: `telemetry.propagation = "link"`), always linked to it |
 //! | `handle {queue}` | internal | the handler call; its `ctx.log` lines are its events |
+//! | `get {table}` / `scan {table}` | client | a store read of the call |
 //! | `settle {queue}` | client | the ack committed with the effects, or the failure recorded |
 //! | `send {queue}` / `create {connector}` | producer | each follow-up and intent of the run that committed; the span id is the effect's derived context |
 //! | `commit` | internal | one group commit: `messaging.batch.message_count`, a link per message's `settle` span |
@@ -528,6 +529,30 @@ impl Active {
         let mut attributes = messaging("settle", queue);
         attributes[2] = KeyValue::new("messaging.operation.name", how);
         self.child(format!("settle {queue}"), SpanKind::Client, attributes)
+    }
+
+    /// `{op} {table}`: one store read of a handler call (`get`, `scan`).
+    pub fn read(&self, op: &'static str, table: &str) -> Active {
+        if self.cx.is_none() {
+            return Active::default();
+        }
+        let attributes = vec![
+            KeyValue::new("db.operation.name", op),
+            KeyValue::new("db.collection.name", table.to_string()),
+        ];
+        self.child(format!("{op} {table}"), SpanKind::Client, attributes)
+    }
+
+    /// End a read span: the rows it returned, or its error.
+    pub fn read_done(&self, rows: Result<usize, String>) {
+        if self.cx.is_none() {
+            return;
+        }
+        match rows {
+            Ok(n) => self.attribute(KeyValue::new("db.response.returned_rows", n as i64)),
+            Err(e) => self.fail(&e),
+        }
+        self.end();
     }
 
     /// `send {connector}`: one outbox delivery, a client span.

@@ -292,6 +292,15 @@ impl ReadScope {
         self
     }
 
+    /// A read's span, under the handler call's, when the call is traced
+    /// (its logs are kept only then).
+    fn read_span(&self, op: &'static str, table: &str) -> crate::telemetry::Active {
+        if self.logs.is_none() {
+            return crate::telemetry::Active::default();
+        }
+        crate::telemetry::current().read(op, table)
+    }
+
     /// Keep a `log` line of the handler for its span, if the span is
     /// recorded.
     pub fn note_log(&mut self, level: &'static str, line: &str) {
@@ -383,7 +392,9 @@ impl ReadScope {
         let t = self.check(table, key, false)?;
         self.count_read()?;
         self.reading = true;
+        let span = self.read_span("get", table);
         let read = self.tx.row_get(&t, key).await;
+        span.read_done(read.as_ref().map(|r| r.iter().count()).map_err(|e| e.to_string()));
         self.reading = false;
         match read {
             Ok(r) => {
@@ -403,7 +414,9 @@ impl ReadScope {
         let t = self.check(table, prefix, true)?;
         self.count_read()?;
         self.reading = true;
+        let span = self.read_span("scan", table);
         let read = self.tx.row_scan(&t, prefix, limit as usize).await;
+        span.read_done(read.as_ref().map(Vec::len).map_err(|e| e.to_string()));
         self.reading = false;
         match read {
             Ok(r) => {
