@@ -760,3 +760,93 @@ async fn spanner_the_real_spanner_check_kit_passes_on_the_emulator() {
         .unwrap();
     assert!(sent >= 100, "the producer sent {sent} orders in 20 s:\n{stdout}");
 }
+
+/// Telemetry on Spanner: every message's run in its own trace (a child of
+/// its creation context), its read of the account as a span under the
+/// handler call, and the group commits' spans linking the messages they
+/// committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_runs_and_batch_commits_are_traced() {
+    use common::otlp::Otlp;
+    use onceq::store::commit::CommitOptions;
+    use onceq::telemetry::{Telemetry, TelemetryConfig};
+    let otlp = Otlp::start().await;
+    let (store, _) = spanner_db(
+        PAYMENTS_SPANNER_SQL,
+        StoreOptions {
+            commit: CommitOptions {
+                max_batch: 64,
+                max_wait: Duration::from_millis(20),
+                faults: None,
+            },
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let n = 12;
+    seed_accounts(store.as_ref(), n, BALANCE).await;
+    let contexts: Vec<_> = (0..n).map(|_| onceq::trace::TraceParent::root()).collect();
+    store
+        .message_send(
+            contexts
+                .iter()
+                .enumerate()
+                .map(|(i, c)| onceq::store::SendParams {
+                    queue: "payments".into(),
+                    payload: order(i, i, 10).into_bytes(),
+                    attributes: vec![(onceq::trace::TRACEPARENT_ATTRIBUTE.into(), c.to_string())],
+                    ..Default::default()
+                })
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let telemetry = Telemetry::start(&TelemetryConfig {
+        enabled: Some(true),
+        endpoint: Some(otlp.http_url()),
+        ..TelemetryConfig::default()
+    })
+    .unwrap();
+    telemetry.observe_commits(store.as_ref());
+    let rt = runtime();
+    let r = payments_runner(&store, &rt, policy(4, 10));
+    r.set_telemetry(telemetry.clone());
+    drain(&store, std::slice::from_ref(&r)).await;
+    telemetry.shutdown().await;
+    check_payments_exactly_once(store.as_ref(), n, n, BALANCE).await;
+    wait_until("a process span per message", Duration::from_secs(30), || async {
+        otlp.named("process payments").len() >= n
+    })
+    .await;
+    let runs = otlp.named("process payments");
+    let acked: Vec<_> = runs
+        .iter()
+        .filter(|r| r.attr("onceq.outcome").as_deref() == Some("acked"))
+        .collect();
+    assert_eq!(acked.len(), n, "one acked run per message");
+    for c in &contexts {
+        assert!(
+            acked
+                .iter()
+                .any(|r| r.trace_id() == c.trace_id_hex() && r.parent() == c.span_id_hex()),
+            "the run of {c} is its child"
+        );
+    }
+    let reads = otlp.named("get accounts");
+    let calls = otlp.named("handle payments");
+    assert!(reads.len() >= n, "a read span per run");
+    assert!(reads.iter().all(|g| calls.iter().any(|c| c.span_id() == g.parent())));
+    // Every acked run's settle is linked from a commit span.
+    let commits = otlp.named("commit");
+    let linked: std::collections::BTreeSet<String> = commits.iter().flat_map(|c| c.links()).collect();
+    let settles = otlp.named("settle payments");
+    for run in &acked {
+        let settle = settles.iter().find(|s| s.parent() == run.span_id()).expect("the run's settle span");
+        assert!(linked.contains(&settle.span_id()), "a commit span links {}", settle.span_id());
+    }
+    let committed: i64 = commits
+        .iter()
+        .map(|c| c.attr("messaging.batch.message_count").unwrap().parse::<i64>().unwrap())
+        .sum();
+    assert!(committed >= n as i64, "{committed} messages in commit spans");
+}
