@@ -272,8 +272,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     println!("onceq demo: {} messages, payments + inventory handlers, {backend}", args.messages);
     let base = app::init(&cfg).await?;
     seed(base.as_ref()).await?;
-    let (msgs, expected) = generate(args.messages, args.seed);
+    let (mut msgs, expected) = generate(args.messages, args.seed);
+    // Traced (OTEL_TRACES_EXPORTER=otlp): each message starts its trace
+    // at its send, as `onceq send` starts it.
+    let telemetry = crate::telemetry::Telemetry::start(&cfg.telemetry)?;
+    let sent_at = std::time::SystemTime::now();
+    let mut contexts = Vec::new();
+    if telemetry.is_on() {
+        for m in &mut msgs {
+            let context = crate::trace::TraceParent::root();
+            m.attributes
+                .push((crate::trace::TRACEPARENT_ATTRIBUTE.to_string(), context.to_string()));
+            contexts.push((m.queue.clone(), context));
+        }
+    }
     app::send_many(base.as_ref(), msgs, 1000).await?;
+    for (queue, context) in &contexts {
+        telemetry.sent(queue, context, None, None, sent_at);
+    }
     println!(
         "  seeded {ACCOUNTS} accounts and {ITEMS} items; sent {} messages ({} of them bad on purpose)",
         args.messages, expected.bad
@@ -293,6 +309,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let runtime = Arc::new(Runtime::new(cfg.runtime.clone())?);
     let host = crate::host::Host::assemble(&cfg, store.clone(), runtime)?;
     let runners = host.runners.clone();
+    for r in &runners {
+        r.set_telemetry(telemetry.clone());
+    }
+    telemetry.observe_commits(store.as_ref());
     let (console_stop, console_shutdown) = crate::shutdown::channel();
     tokio::spawn(crate::host::heartbeat(base.clone(), runners.clone(), console_shutdown.clone()));
     let console = match host.deployer.clone() {
@@ -350,6 +370,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     signals.abort();
     // What the committer holds is committed before the summary reads.
     store.close().await;
+    telemetry.shutdown().await;
     let elapsed = started.elapsed();
     bar.set_position(queues.iter().map(|r| r.metrics.finished()).sum());
     bar.finish();
