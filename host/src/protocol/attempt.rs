@@ -119,14 +119,18 @@ impl QueueRunner {
         let mut reruns = 0u32;
         // Aborts in a row: contention (reads changed before commit).
         let mut contended = 0u32;
-        // The follow-ups and intents of the last run (for their spans).
+        // The follow-ups and intents of the last run (for their spans), and
+        // of the last run whose commit outcome was unknown: if the message
+        // turns out already committed, that commit is what landed.
         let mut produced = Vec::new();
+        let mut uncertain = Vec::new();
         // This run's `process` span (none when telemetry is off).
         let mut run = Active::default();
         let outcome = loop {
             let priority = contended >= PRIORITY_AFTER;
             run.end();
             run = self.process_span(lm, handler);
+            produced.clear();
             let err = match self.attempt(lm, handler, slot, priority, &run, &mut produced).await {
                 Ok(()) => {
                     run.produced_all(&produced);
@@ -136,6 +140,12 @@ impl QueueRunner {
             };
             if let AttemptError::Store(e) = &err {
                 self.metrics.store_error(e);
+                // A commit whose outcome is unknown may have landed with
+                // this run's effects (a run that failed before its commit
+                // checked none, and leaves the last ones standing).
+                if e.is_unknown_outcome() && !produced.is_empty() {
+                    uncertain = std::mem::take(&mut produced);
+                }
             }
             run.run_failed(&err);
             match err {
@@ -168,8 +178,6 @@ impl QueueRunner {
                 AttemptError::Store(StoreError::LeaseLost { .. }) => {
                     break if unknown_seen {
                         info!("ack refused after an unknown commit outcome: the earlier commit landed");
-                        // Its effects were this run's (a re-run emits the same).
-                        run.produced_all(&produced);
                         Outcome::AlreadyCommitted
                     } else {
                         warn!("lease lost before commit; rolled back, the new lease holder will process the message");
@@ -180,6 +188,9 @@ impl QueueRunner {
                 AttemptError::Handler(f) => break self.fail(lm, handler, f, unknown_seen, &run).await,
             }
         };
+        if outcome == Outcome::AlreadyCommitted {
+            run.produced_all(&uncertain);
+        }
         run.outcome(&outcome);
         run.end();
         outcome
