@@ -121,13 +121,17 @@ fn host_modules_import_each_other_without_cycles() {
 #[test]
 fn leaf_modules_import_nothing_of_onceqs() {
     let g = graph();
-    for leaf in ["names", "value", "gather", "shutdown"] {
+    for leaf in ["names", "value", "gather", "shutdown", "trace"] {
         assert!(g[leaf].is_empty(), "{leaf} is a leaf, but imports {:?}", g[leaf]);
     }
     // The protocol drives any handler on any store: no Wasm, no outbox, no
     // CLI in it.
     for not in ["runtime", "outbox", "app", "admin", "deploy", "config"] {
         assert!(!g["protocol"].contains(not), "protocol imports {not}");
+    }
+    // Telemetry is told, it tells nobody: under the protocol and the outbox.
+    for not in ["protocol", "runtime", "outbox", "app", "admin", "deploy", "config"] {
+        assert!(!g["telemetry"].contains(not), "telemetry imports {not}");
     }
 }
 

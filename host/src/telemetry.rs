@@ -208,10 +208,15 @@ pub fn traceparent_of(sc: &SpanContext) -> Option<TraceParent> {
 
 /// The common attributes of a span about `destination`.
 fn messaging(operation: &'static str, destination: &str) -> Vec<KeyValue> {
+    messaging_named(operation, operation, destination)
+}
+
+/// [`messaging`], with an operation name more precise than its type.
+fn messaging_named(operation: &'static str, name: &'static str, destination: &str) -> Vec<KeyValue> {
     vec![
         KeyValue::new("messaging.system", MESSAGING_SYSTEM),
         KeyValue::new("messaging.operation.type", operation),
-        KeyValue::new("messaging.operation.name", operation),
+        KeyValue::new("messaging.operation.name", name),
         KeyValue::new("messaging.destination.name", destination.to_string()),
     ]
 }
@@ -526,9 +531,7 @@ impl Active {
         if self.cx.is_none() {
             return Active::default();
         }
-        let mut attributes = messaging("settle", queue);
-        attributes[2] = KeyValue::new("messaging.operation.name", how);
-        self.child(format!("settle {queue}"), SpanKind::Client, attributes)
+        self.child(format!("settle {queue}"), SpanKind::Client, messaging_named("settle", how, queue))
     }
 
     /// `{op} {table}`: one store read of a handler call (`get`, `scan`).
