@@ -60,6 +60,13 @@ async fn purge_loop(store: Arc<dyn Store>, audit_retention: std::time::Duration,
                 }
                 Err(e) => tracing::warn!("pruning old audit entries failed (will retry): {e}"),
             }
+            // Hosts silent for a day are forgotten (`/v1/overview` shows
+            // the last hour's); at the same pace as the audit.
+            match store.hosts_prune(crate::store::HOSTS_FORGOTTEN_AFTER).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!("forgot {n} hosts silent for a day"),
+                Err(e) => tracing::debug!("forgetting silent hosts failed (will retry): {e}"),
+            }
         }
         shutdown.sleep(crate::protocol::jittered(PURGE_EVERY)).await;
     }

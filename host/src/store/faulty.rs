@@ -278,6 +278,9 @@ impl Store for FaultyStore {
     async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()> {
         self.inner.host_beat(beat).await
     }
+    async fn hosts_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.inner.hosts_prune(age).await
+    }
     async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<HostBeat>> {
         self.inner.hosts_seen(within).await
     }

@@ -556,9 +556,12 @@ pub trait Store: Send + Sync + 'static {
     async fn queue_paused(&self) -> StoreResult<Vec<PausedQueue>>;
 
     /// Say that the host `beat` describes is alive (its `seen_at` is the
-    /// database's time of this write), and forget hosts not seen for
-    /// [`HOSTS_FORGOTTEN_AFTER`].
+    /// database's time of this write).
     async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()>;
+
+    /// Forget the hosts not seen for `age` ([`HOSTS_FORGOTTEN_AFTER`], by
+    /// the host's purge chore); returns how many.
+    async fn hosts_prune(&self, age: std::time::Duration) -> StoreResult<u64>;
 
     /// The hosts seen in the last `within`, most recently seen first.
     async fn hosts_seen(&self, within: std::time::Duration) -> StoreResult<Vec<HostBeat>>;

@@ -1383,7 +1383,6 @@ impl Store for SqliteStore {
 
     async fn host_beat(&self, beat: &HostBeat) -> StoreResult<()> {
         let queues = serde_json::to_string(&beat.queues).unwrap_or_else(|_| "[]".into());
-        let forget = micros(HOSTS_FORGOTTEN_AFTER);
         let beat = beat.clone();
         // A heartbeat is not worth an fsync: a lost one is the next's.
         self.inner
@@ -1406,8 +1405,6 @@ impl Store for SqliteStore {
                         beat.finished
                     ])
                 })
-                .and_then(|_| c.prepare_cached(&format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - ?1")))
-                .and_then(|mut s| s.execute(params![forget]))
                 .map_err(classify)?;
                 Ok(())
             })
@@ -1465,6 +1462,16 @@ impl Store for SqliteStore {
                 .map_err(classify)?;
             rows.collect::<Result<Vec<_>, _>>().map_err(classify)
         })
+    }
+
+    async fn hosts_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.inner
+            .write_undurable(move |c| {
+                c.execute(&format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - ?1"), params![micros(age)])
+                    .map(|n| n as u64)
+                    .map_err(classify)
+            })
+            .await
     }
 
     async fn audit_prune(&self, age: Duration) -> StoreResult<u64> {

@@ -426,4 +426,8 @@ pub async fn host_heartbeats(store: Arc<dyn Store>) {
         s.hosts_seen(Duration::from_millis(20)).await.unwrap().is_empty(),
         "not seen within the last 20 ms"
     );
+    // The purge chore forgets hosts silent for longer than its age.
+    assert_eq!(s.hosts_prune(Duration::from_secs(600)).await.unwrap(), 0, "both seen recently");
+    assert_eq!(s.hosts_prune(Duration::from_millis(20)).await.unwrap(), 2);
+    assert!(s.hosts_seen(Duration::from_secs(600)).await.unwrap().is_empty());
 }

@@ -551,19 +551,23 @@ impl Store for SpannerStore {
         .add_param("in_flight", beat.in_flight)
         .add_param("finished", beat.finished)
         .build();
-        let forget = Statement::builder(format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - @forget"))
-            .add_param("forget", micros(HOSTS_FORGOTTEN_AFTER))
-            .build();
         self.rw("a heartbeat", move |tx| {
-            let (update, insert, forget) = (update.clone(), insert.clone(), forget.clone());
+            let (update, insert) = (update.clone(), insert.clone());
             async move {
                 if tx.execute_update(update).await? == 0 {
                     tx.execute_update(insert).await?;
                 }
-                tx.execute_update(forget).await.map(|_| ())
+                Ok(())
             }
         })
         .await
+    }
+
+    async fn hosts_prune(&self, age: Duration) -> StoreResult<u64> {
+        let stmt = Statement::builder(format!("DELETE FROM onceq_hosts WHERE seen_at < {NOW} - @age"))
+            .add_param("age", micros(age))
+            .build();
+        self.partitioned_delete("the hosts prune", stmt).await
     }
 
     async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<HostBeat>> {
