@@ -414,6 +414,9 @@ impl Store for AckApart {
     async fn host_beat(&self, beat: &onceq::store::HostBeat) -> StoreResult<()> {
         self.0.host_beat(beat).await
     }
+    async fn hosts_prune(&self, age: Duration) -> StoreResult<u64> {
+        self.0.hosts_prune(age).await
+    }
     async fn hosts_seen(&self, within: Duration) -> StoreResult<Vec<onceq::store::HostBeat>> {
         self.0.hosts_seen(within).await
     }
