@@ -120,7 +120,7 @@ fn check_label(label: &str) -> Result<(), DeployFailure> {
 /// The content hash that names a version.
 pub fn version_of(bytes: &[u8]) -> String {
     let d = sha2::Sha256::digest(bytes);
-    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::names::hex(&d[..d.len().min(8)])
 }
 
 fn now_ms() -> u64 {

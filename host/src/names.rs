@@ -8,6 +8,17 @@
 //! file, `onceq send`, a handler's effect), so a name that would park a
 //! message where no queue serves it is refused with the reason, not stored.
 
+/// Bytes as lowercase hex: how digests, versions and ids are shown.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    s
+}
+
 /// Queue names starting with this (in any case) are onceq's own.
 pub const RESERVED_PREFIX: &str = "onceq.";
 /// A connector's outbox queue is this followed by the connector's name.
@@ -292,6 +303,12 @@ pub fn did_you_mean<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) ->
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn hex_is_lowercase_two_digits_a_byte() {
+        assert_eq!(hex(&[0x00, 0x0f, 0xa0, 0xff]), "000fa0ff");
+        assert_eq!(hex(&[]), "");
+    }
 
     #[test]
     fn tables_in_onceqs_namespace_are_found_in_any_case_and_quoting() {

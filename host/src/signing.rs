@@ -181,7 +181,7 @@ pub fn sign(component: &Path, key: &Path, password: Option<String>) -> anyhow::R
     let name = component.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let comment = format!("file:{name} sha256:{}", {
         use sha2::Digest;
-        sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect::<String>()
+        crate::names::hex(&sha2::Sha256::digest(&bytes))
     });
     let sig = minisign::sign(None, &sk, Cursor::new(&bytes), Some(&comment), Some("signature from onceq sign"))
         .map_err(|e| anyhow::anyhow!("signing {}: {e}", component.display()))?;

@@ -113,7 +113,7 @@ impl CodeCache {
     }
 
     fn entry(&self, digest: &[u8]) -> PathBuf {
-        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = crate::names::hex(digest);
         // `-s`: entries with their checksum (older ones age out).
         self.dir.join(format!("{hex}-{}-s.cwasm", self.engine_key))
     }

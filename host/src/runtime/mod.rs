@@ -481,7 +481,7 @@ fn type_name(t: &wasmtime::component::Type) -> String {
 }
 
 fn hex16(bytes: &[u8]) -> String {
-    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::names::hex(&bytes[..bytes.len().min(8)])
 }
 
 /// Caps one store's memories, tables and instances, and remembers whether
