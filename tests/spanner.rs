@@ -769,7 +769,7 @@ async fn spanner_the_real_spanner_check_kit_passes_on_the_emulator() {
 async fn spanner_runs_and_batch_commits_are_traced() {
     use common::otlp::Otlp;
     use onceq::store::commit::CommitOptions;
-    use onceq::telemetry::{Telemetry, TelemetryConfig};
+    use onceq::telemetry::Telemetry;
     let otlp = Otlp::start().await;
     let (store, _) = spanner_db(
         PAYMENTS_SPANNER_SQL,
@@ -801,12 +801,7 @@ async fn spanner_runs_and_batch_commits_are_traced() {
         )
         .await
         .unwrap();
-    let telemetry = Telemetry::start(&TelemetryConfig {
-        enabled: Some(true),
-        endpoint: Some(otlp.http_url()),
-        ..TelemetryConfig::default()
-    })
-    .unwrap();
+    let telemetry = Telemetry::start(&otlp.config()).unwrap();
     telemetry.observe_commits(store.as_ref());
     let rt = runtime();
     let r = payments_runner(&store, &rt, policy(4, 10));

@@ -104,12 +104,7 @@ async fn one_trace_runs_from_send_through_a_re_run_to_the_webhook_s_traceparent(
         },
     );
     let store: Arc<dyn Store> = Arc::new(faulty);
-    let telemetry = Telemetry::start(&TelemetryConfig {
-        enabled: Some(true),
-        endpoint: Some(otlp.http_url()),
-        ..TelemetryConfig::default()
-    })
-    .unwrap();
+    let telemetry = Telemetry::start(&otlp.config()).unwrap();
     assert!(telemetry.is_on());
     telemetry.observe_commits(store.as_ref());
     let rt = runtime();
@@ -327,10 +322,8 @@ async fn a_slow_message_s_lease_renewals_are_spans_linked_to_it() {
         .await
         .unwrap();
     let telemetry = Telemetry::start(&TelemetryConfig {
-        enabled: Some(true),
-        endpoint: Some(otlp.http_url()),
         propagation: onceq::telemetry::Propagation::Link,
-        ..TelemetryConfig::default()
+        ..otlp.config()
     })
     .unwrap();
     // A handler that takes 1.5 leases: renewed every third of one.

@@ -789,7 +789,9 @@ async fn send(
             attributes: {
                 let mut a = attributes.clone();
                 let context = parent.map_or_else(crate::trace::TraceParent::root, |p| p.child());
-                contexts.push(context);
+                if telemetry.is_on() {
+                    contexts.push(context);
+                }
                 a.push((crate::trace::TRACEPARENT_ATTRIBUTE.to_string(), context.to_string()));
                 if let Some(s) = &tracestate {
                     a.push((crate::trace::TRACESTATE_ATTRIBUTE.to_string(), s.clone()));

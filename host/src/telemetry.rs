@@ -197,6 +197,11 @@ fn span_context(t: &TraceParent, state: Option<&str>, remote: bool) -> SpanConte
     )
 }
 
+/// The ids [`ChosenIds`] gives a span whose id is `t`'s.
+fn chosen(t: &TraceParent) -> (Option<TraceId>, Option<SpanId>) {
+    (Some(TraceId::from_bytes(t.trace_id)), Some(SpanId::from_bytes(t.span_id)))
+}
+
 /// The W3C context of a span.
 pub fn traceparent_of(sc: &SpanContext) -> Option<TraceParent> {
     sc.is_valid().then(|| TraceParent {
@@ -360,15 +365,7 @@ impl Telemetry {
             .with_kind(SpanKind::Producer)
             .with_start_time(started)
             .with_attributes(attributes);
-        let mut span = Self::start_span(
-            inner,
-            b,
-            &cx,
-            (
-                Some(TraceId::from_bytes(created.trace_id)),
-                Some(SpanId::from_bytes(created.span_id)),
-            ),
-        );
+        let mut span = Self::start_span(inner, b, &cx, chosen(created));
         span.end();
     }
 
@@ -590,15 +587,7 @@ impl Active {
             (Some(sc), Propagation::Link) => Context::new().with_remote_span_context(sc.clone()),
             _ => cx.clone(),
         };
-        let mut span = Telemetry::start_span(
-            inner,
-            b,
-            &parent,
-            (
-                Some(TraceId::from_bytes(created.trace_id)),
-                Some(SpanId::from_bytes(created.span_id)),
-            ),
-        );
+        let mut span = Telemetry::start_span(inner, b, &parent, chosen(created));
         span.end();
     }
 

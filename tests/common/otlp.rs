@@ -110,6 +110,15 @@ impl Otlp {
         format!("http://{}", self.http)
     }
 
+    /// Telemetry on, exporting here over HTTP.
+    pub fn config(&self) -> onceq::telemetry::TelemetryConfig {
+        onceq::telemetry::TelemetryConfig {
+            enabled: Some(true),
+            endpoint: Some(self.http_url()),
+            ..Default::default()
+        }
+    }
+
     pub fn grpc_url(&self) -> String {
         format!("http://{}", self.grpc)
     }

@@ -360,14 +360,19 @@ async fn authenticate(State(admin): State<Arc<Admin>>, mut request: Request, nex
     let reading = request.method() == axum::http::Method::GET;
     match caller(&admin, request.headers(), reading) {
         Ok(c) => {
-            // A deploy's and a rollback's role and queue are checked here,
-            // before the body is read: a viewer's upload is not buffered.
+            // A deploy's, a rollback's and a send's role and queue are
+            // checked here, before the body is read: a viewer's upload is
+            // not buffered.
             let path = request.uri().path().to_string();
             let target = path.strip_prefix("/v1/queues/").and_then(|rest| {
                 let (queue, action) = rest.split_once('/')?;
-                matches!(action, "deploy" | "rollback").then_some((queue, action))
+                match action {
+                    "deploy" | "rollback" => Some((queue, action, Action::Deploy)),
+                    "messages" => Some((queue, "send", Action::Send)),
+                    _ => None,
+                }
             });
-            if let (false, Some((queue, action)), Ok(serving)) = (reading, target, admin.serving()) {
+            if let (false, Some((queue, action, needs)), Ok(serving)) = (reading, target, admin.serving()) {
                 // Checked as the route will see it: a queue name never
                 // needs percent-encoding, so an encoded one is refused
                 // rather than matched against the token's patterns raw.
@@ -377,7 +382,7 @@ async fn authenticate(State(admin): State<Arc<Admin>>, mut request: Request, nex
                         "a queue name is letters, digits, '.', '-' and '_': nothing to percent-encode",
                     );
                 }
-                if let Err(why) = c.check(Action::Deploy, Some(queue)) {
+                if let Err(why) = c.check(needs, Some(queue)) {
                     return forbidden(serving.store.as_ref(), &c, action, Some(queue), "", why).await;
                 }
             }

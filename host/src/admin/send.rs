@@ -8,8 +8,7 @@
 //! admin on the queue, which this host must serve; recorded in the audit
 //! trail.
 
-use super::{error, forbidden, Admin, Caller};
-use crate::access::Action;
+use super::{error, Admin, Caller};
 use crate::trace::{TraceParent, TRACEPARENT_ATTRIBUTE, TRACESTATE_ATTRIBUTE};
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, Query, State};
@@ -36,9 +35,7 @@ pub(super) async fn send(
         Ok(s) => s,
         Err(r) => return r,
     };
-    if let Err(why) = caller.check(Action::Send, Some(&queue)) {
-        return forbidden(serving.store.as_ref(), &caller, "send", Some(&queue), "", why).await;
-    }
+    // Role and queue were checked by `authenticate`, before the body.
     let Some(runner) = serving
         .runners
         .iter()

@@ -95,7 +95,7 @@ impl RunSpan for Active {
         let (name, reason) = match err {
             AttemptError::Store(e) if e.is_unknown_outcome() => ("commit outcome unknown", e.to_string()),
             AttemptError::Store(StoreError::Aborted(e)) => ("aborted", e.to_string()),
-            AttemptError::Store(StoreError::LeaseLost { .. }) => ("ack refused", err_text(err)),
+            AttemptError::Store(e @ StoreError::LeaseLost { .. }) => ("ack refused", e.to_string()),
             AttemptError::Store(e) => ("store error", e.to_string()),
             AttemptError::Handler(f) => ("handler failed", f.to_string()),
         };
@@ -153,12 +153,5 @@ impl RunSpan for Active {
             self.fail(&e.to_string());
         }
         self.end();
-    }
-}
-
-fn err_text(err: &AttemptError) -> String {
-    match err {
-        AttemptError::Store(e) => e.to_string(),
-        AttemptError::Handler(f) => f.to_string(),
     }
 }
