@@ -361,7 +361,7 @@ fn the_checks_catch_what_they_check() {
     assert!(onceq::cli::check_args(["onceq", "no-such-command"]).is_err());
     assert_eq!(
         accepted_keys("commit"),
-        vec!["max_batch", "max_wait"],
-        "two keys, as serde words them"
+        vec!["max_batch", "max_wait", "handoff"],
+        "three keys, as serde words them"
     );
 }

@@ -125,6 +125,7 @@ async fn batch_commits_with_unknown_outcomes_apply_each_order_once() {
                     refused: 0.0,
                     seed: 4,
                 }),
+                ..CommitOptions::default()
             },
             ..Default::default()
         },

@@ -349,6 +349,7 @@ async fn spanner_batch_commits_with_unknown_outcomes_apply_each_order_once() {
                     refused: 0.0,
                     seed: 9,
                 }),
+                ..CommitOptions::default()
             },
             ..StoreOptions::default()
         },
@@ -478,6 +479,7 @@ async fn payments_under_batch_faults(n: usize, faults: onceq::store::faulty::Bat
             max_batch: 64,
             max_wait: Duration::from_millis(20),
             faults: Some(faults),
+            ..CommitOptions::default()
         },
         ..StoreOptions::default()
     };
@@ -778,6 +780,7 @@ async fn spanner_runs_and_batch_commits_are_traced() {
                 max_batch: 64,
                 max_wait: Duration::from_millis(20),
                 faults: None,
+                ..CommitOptions::default()
             },
             ..StoreOptions::default()
         },

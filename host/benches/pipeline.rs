@@ -316,6 +316,9 @@ impl Store for AckApart {
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         self.0.commit_stats()
     }
+    fn handoff(&self) -> bool {
+        self.0.handoff()
+    }
     fn schema(&self) -> Arc<Schema> {
         self.0.schema()
     }
@@ -1416,6 +1419,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     drain("warm", "", 0); // compiles the component into the folder's cache
     let rounds = env_usize("ONCEQ_BENCH_ROUNDS", 2).max(1);
     let (mut cli, mut alone, mut raw1, mut raw16, mut raw64, mut full) = (f64::MAX, f64::MAX, None, None, None, None);
+    let mut table_only = f64::MAX;
     let (mut cli_written, mut full_written) = (u64::MAX, u64::MAX);
     for r in 0..rounds {
         // ONCEQ_BENCH_CLI_SETTINGS: onceq.toml lines for the default run (to try settings).
@@ -1424,6 +1428,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
         cli = cli.min(secs);
         cli_written = cli_written.min(written);
         alone = alone.min(drain(&format!("alone-{r}"), "[commit]\nmax_batch = 1\n", n).0);
+        table_only = table_only.min(drain(&format!("table-only-{r}"), "[commit]\nhandoff = false\n", n).0);
         raw1 = best(raw1, raw_sqlite_batched(&work, &format!("raw1-{r}.db"), n, 1));
         raw16 = best(raw16, raw_sqlite_batched(&work, &format!("raw16-{r}.db"), n, 16));
         raw64 = best(raw64, raw_sqlite_batched(&work, &format!("raw64-{r}.db"), n, 64));
@@ -1434,11 +1439,12 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     }
     let [raw1, raw16, raw64, full] = [raw1, raw16, raw64, full].map(Option::unwrap);
     let (cli_pages, full_pages) = (cli_written as f64 / PAGE / n as f64, full_written as f64 / PAGE / n as f64);
-    let (cli, alone) = (n as f64 / cli, n as f64 / alone);
+    let (cli, alone, table_only) = (n as f64 / cli, n as f64 / alone, n as f64 / table_only);
     println!("\n| through the CLI: `onceq run --until-empty`, {n} payments messages, intents to a file connector, best of {rounds} | messages/s |");
     println!("|---|---|");
     println!("| onceq, default settings (16 workers, 16 outbox workers, group commit), start to exit | {cli:.0} |");
     println!("| onceq, `commit.max_batch = 1` | {alone:.0} |");
+    println!("| onceq, `commit.handoff = false` (every intent leased from the table) | {table_only:.0} |");
     println!("| raw loop, one commit per message (no delivery) | {:.0} |", raw1.msgs_per_s);
     println!(
         "| raw loop, savepoint per message, commit per 16 (no delivery) | {:.0} |",
@@ -1464,6 +1470,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
         cli / raw64.msgs_per_s
     );
     println!("| CLI default / CLI `commit.max_batch = 1` | {:.2} | >= 4 |", cli / alone);
+    println!("| CLI default / CLI `commit.handoff = false` | {:.2} | |", cli / table_only);
     println!("| CLI default / raw full work batched 64 | {:.2} | >= 0.8 |", cli / full.msgs_per_s);
     println!("| pages written per message, CLI default | {cli_pages:.1} | <= 12 |");
     history::record("cli_msgs_per_s", cli);

@@ -801,6 +801,7 @@ async fn send(
             delay,
             dedup_key: dedup_key.clone(),
             dedup_window: None,
+            handoff: None,
         })
         .collect();
     let (sent, dup) = app::send_many(store.as_ref(), msgs, 1000).await?;

@@ -42,6 +42,7 @@ struct RawSpanner {
 struct RawCommit {
     max_batch: Option<usize>,
     max_wait: Option<String>,
+    handoff: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -554,6 +555,9 @@ impl RawConfig {
         }
         if let Some(w) = &self.commit.max_wait {
             o.commit.max_wait = at_most("commit.max_wait", parse_duration("commit.max_wait", w)?, Duration::from_secs(1))?;
+        }
+        if let Some(h) = self.commit.handoff {
+            o.commit.handoff = h;
         }
         Ok(o)
     }

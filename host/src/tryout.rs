@@ -85,7 +85,16 @@ pub async fn run(
         (Some(f), _) if !f.is_own() => report("deferred", Some(f.recorded_reason()), vec![], None),
         (Some(f), _) => report("failed", Some(f.to_string()), vec![], None),
         (None, Ok(effects)) => {
-            match protocol::effects::check_and_buffer(&message, handler.version(), effects.clone(), grants, limits, &schema, &mut *tx) {
+            match protocol::effects::check_and_buffer(
+                &message,
+                handler.version(),
+                effects.clone(),
+                grants,
+                limits,
+                &schema,
+                &mut *tx,
+                &mut |_| {},
+            ) {
                 // As the commit would: the database's verdict, worded and
                 // classed as a real run records it.
                 Ok(_) => {

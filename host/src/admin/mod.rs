@@ -870,6 +870,12 @@ fn health(e: &mut DescriptorEncoder, runners: &[Arc<QueueRunner>], queues: &[&Ar
     )?;
     counters(
         e,
+        "onceq_handed_off",
+        "Messages handed to the queue's workers in memory by the commit that sent them, not leased from the table (commit.handoff)",
+        &rows(runners, queue, |m| m.handed_off.load(Relaxed)),
+    )?;
+    counters(
+        e,
         "onceq_leases_lost",
         "Leases lost (expired and taken by another worker, or renewal failed)",
         &rows(runners, queue, |m| m.lease_lost.load(Relaxed)),

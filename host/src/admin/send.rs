@@ -106,6 +106,7 @@ pub(super) async fn send(
             delay: delay.unwrap_or_default(),
             dedup_key: q.dedup_key.clone(),
             dedup_window: None,
+            handoff: None,
         }])
         .await;
     let (id, duplicate) = match sent.map(|mut o| o.pop()) {

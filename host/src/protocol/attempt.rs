@@ -258,6 +258,7 @@ impl QueueRunner {
         if run.is_recording() {
             *produced = Produced::of(&lm.message, &effects);
         }
+        let mut handing = Vec::new();
         let counts = match effects::check_and_buffer(
             &lm.message,
             handler.version(),
@@ -266,6 +267,7 @@ impl QueueRunner {
             &self.spec.limits,
             &schema,
             &mut *tx,
+            &mut |p| handing.extend(self.hand(p)),
         ) {
             Ok(c) => c,
             Err(reason) => {
@@ -286,7 +288,13 @@ impl QueueRunner {
         };
         settle.settled(&committed);
         slot.commit_ended();
-        committed.map_err(AttemptError::Store)?;
+        match committed {
+            Ok(()) => self.handed(handing).await,
+            Err(e) => {
+                self.not_handed(handing, e.is_unknown_outcome()).await;
+                return Err(AttemptError::Store(e));
+            }
+        }
         let m = &self.metrics;
         m.writes.fetch_add(counts.writes, Ordering::Relaxed);
         m.intents.fetch_add(counts.intents, Ordering::Relaxed);

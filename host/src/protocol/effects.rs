@@ -185,7 +185,10 @@ enum Checked {
 }
 
 /// Check every effect, then buffer them all into `tx`. On error nothing is
-/// buffered; the error names the effect (by index) and the problem.
+/// buffered; the error names the effect (by index) and the problem. Each
+/// checked send (follow-up or intent) passes through `send` first (the
+/// protocol marks those it hands over in memory there).
+#[allow(clippy::too_many_arguments)]
 pub fn check_and_buffer(
     msg: &Message,
     version: &str,
@@ -194,6 +197,7 @@ pub fn check_and_buffer(
     limits: &EffectLimits,
     schema: &Schema,
     tx: &mut dyn Transaction,
+    send: &mut dyn FnMut(&mut SendParams),
 ) -> Result<EffectCounts, EffectError> {
     if effects.len() > limits.max_effects {
         return Err(EffectError::TooMany {
@@ -227,12 +231,14 @@ pub fn check_and_buffer(
                 counts.writes += 1;
                 tx.row_write(w)
             }
-            Checked::Enqueue(p) => {
+            Checked::Enqueue(mut p) => {
                 counts.enqueued += 1;
+                send(&mut p);
                 tx.message_enqueue(p)
             }
-            Checked::Intent(p) => {
+            Checked::Intent(mut p) => {
                 counts.intents += 1;
+                send(&mut p);
                 tx.message_enqueue(p)
             }
         }
@@ -313,6 +319,7 @@ impl Context<'_> {
             delay,
             dedup_key: f.dedup_key,
             dedup_window: None,
+            handoff: None,
         })
     }
 
@@ -355,5 +362,6 @@ pub fn intent_message(msg: &Message, intent: crate::value::Intent) -> SendParams
         delay: Duration::ZERO,
         dedup_key: Some(intent.idempotency_key),
         dedup_window: Some(HOLD_UNTIL_DELIVERED),
+        handoff: None,
     }
 }

@@ -32,6 +32,10 @@ pub struct Metrics {
     pub lease_lost: AtomicU64,
     /// Released unprocessed at shutdown.
     pub released: AtomicU64,
+    /// Messages handed to this queue's workers in memory by the commit
+    /// that sent them, instead of leased from the table
+    /// (`commit.handoff`).
+    pub handed_off: AtomicU64,
     /// Leases extended while their message waited or was being handled.
     pub lease_renewals: AtomicU64,
     /// Work cancelled because its lease was lost (or could not be renewed).

@@ -55,6 +55,9 @@
 //! - `retry.rs`: the re-run and backoff rules ([`Policy::rerun`],
 //!   [`Policy::backoff`], [`Policy::after_failure`]);
 //! - `effects.rs`: checking and buffering a handler's effects;
+//! - `handoff.rs`: follow-ups and intents for a queue of the same host,
+//!   inserted leased and handed to its workers in memory (the crash
+//!   windows are argued there);
 //! - `handler.rs`: the [`Handler`] trait and the [`ReadScope`] reads go
 //!   through;
 //! - `metrics.rs`: the counters and histograms `/metrics` exports.
@@ -62,6 +65,7 @@
 mod attempt;
 pub mod effects;
 pub mod handler;
+mod handoff;
 mod lease;
 pub mod metrics;
 mod renew;
@@ -182,6 +186,11 @@ pub struct QueueRunner {
     leases: lease::LeaseGroup,
     /// Where this queue's spans go (off unless [`QueueRunner::set_telemetry`]).
     telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
+    /// Messages handed to this queue's workers in memory ([`handoff`]).
+    inbox: Arc<handoff::Inbox>,
+    /// The queues of this host this queue's sends may be handed to (set by
+    /// [`run_queues`] on a store that supports it).
+    handoffs: std::sync::OnceLock<Arc<handoff::Targets>>,
 }
 
 enum AttemptError {
@@ -204,6 +213,8 @@ impl QueueRunner {
             poll_gate: tokio::sync::Mutex::new(worker::IDLE_BACKOFF_MIN),
             leases: lease::LeaseGroup::default(),
             telemetry: std::sync::OnceLock::new(),
+            inbox: Arc::default(),
+            handoffs: std::sync::OnceLock::new(),
         }
     }
 
@@ -302,6 +313,12 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
     Box::pin(async move {
         let rx = stop.subscribe();
         let mut tasks = tokio::task::JoinSet::new();
+        if store.handoff() {
+            let targets = handoff::Targets::of(&runners);
+            for r in &runners {
+                let _ = r.handoffs.set(targets.clone());
+            }
+        }
         // Paused queues (`onceq pause`, by any host or tool) are read
         // before the first lease, then every PAUSE_POLL.
         refresh_paused(store.as_ref(), &runners).await;

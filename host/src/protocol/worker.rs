@@ -23,6 +23,7 @@
 //! backoff per queue, not once per worker (idle polls are what an idle
 //! host costs its store; docs/src/benchmarks.md has the figures).
 
+use super::lease::Leased;
 use super::slot::Slot;
 use super::{jittered, sleep_or_shutdown, QueueRunner, Shutdown};
 use crate::store::LeasedMessage;
@@ -43,6 +44,11 @@ pub(super) const IDLE_BACKOFF_MIN: Duration = Duration::from_millis(2);
 /// How often a worker of a paused queue looks whether it was resumed.
 const PAUSED_NAP: Duration = Duration::from_millis(200);
 
+/// One lease in this many of a worker asks the table before its inbox
+/// ([`QueueRunner::lease_next`]): what is only in the table is not starved
+/// by a stream of handoffs.
+const TABLE_FIRST: u32 = 8;
+
 impl QueueRunner {
     /// Run `workers` tasks until `shutdown` turns true; in-flight messages
     /// finish, leased-but-unstarted ones are released.
@@ -59,17 +65,55 @@ impl QueueRunner {
                     warn!(queue = %self.spec.name, "worker task ended abnormally: {e}");
                 }
             }
+            // Handed over, never taken: back to the table.
+            self.release_inbox(true).await;
         })
+    }
+
+    /// The next batch, and when its lease began: from the inbox
+    /// ([`super::handoff`]) when it holds messages, except every
+    /// [`TABLE_FIRST`]th time; from the table otherwise, or when the table
+    /// had none.
+    async fn lease_next(&self, limit: usize, turns: &mut u32) -> (Leased, Instant) {
+        *turns = turns.wrapping_add(1);
+        let handed = || {
+            self.inbox.take(limit).map(|(batch, at)| {
+                (
+                    Leased {
+                        share: Ok(batch),
+                        led: false,
+                    },
+                    at,
+                )
+            })
+        };
+        if !turns.is_multiple_of(TABLE_FIRST) {
+            if let Some(l) = handed() {
+                return l;
+            }
+        }
+        let at = Instant::now();
+        let leased = self
+            .leases
+            .lease(self.store.as_ref(), &self.spec.name, limit, self.spec.policy.lease)
+            .await;
+        if matches!(&leased.share, Ok(b) if b.is_empty()) {
+            if let Some(l) = handed() {
+                return l;
+            }
+        }
+        (leased, at)
     }
 
     pub(super) async fn worker(&self, n: usize, mut shutdown: Shutdown) {
         let p = &self.spec.policy;
         let mut pace = Pace::default();
         let mut found_empty = false;
+        let mut turns = 0u32;
         debug!(queue = %self.spec.name, worker = n, "worker started");
         // The next batch, leased while the last messages of this one were
         // committing.
-        let mut prefetched: Option<(super::lease::Leased, Instant)> = None;
+        let mut prefetched: Option<(Leased, Instant)> = None;
         loop {
             let (leased, leased_at, mut gate) = match prefetched.take() {
                 // Processed even at shutdown: its messages are released.
@@ -79,29 +123,32 @@ impl QueueRunner {
                         break;
                     }
                     if self.is_paused() {
+                        self.release_inbox(false).await;
                         sleep_or_shutdown(&mut shutdown, PAUSED_NAP).await;
                         continue;
                     }
                     // After an empty lease, poll again only through the
                     // gate: one worker of the queue at a time, after the
                     // shared backoff.
+                    // A message handed over ends the wait.
                     let mut gate = None;
-                    if found_empty {
+                    if found_empty && self.inbox.is_empty() {
                         let backoff = tokio::select! {
                             g = self.poll_gate.lock() => g,
                             () = shutdown.requested() => break,
                         };
-                        sleep_or_shutdown(&mut shutdown, jittered(*backoff)).await;
+                        if self.inbox.is_empty() {
+                            tokio::select! {
+                                () = sleep_or_shutdown(&mut shutdown, jittered(*backoff)) => {}
+                                () = self.inbox.arrived.notified() => {}
+                            }
+                        }
                         gate = Some(backoff);
                         if shutdown.is_requested() {
                             break;
                         }
                     }
-                    let leased_at = Instant::now();
-                    let leased = self
-                        .leases
-                        .lease(self.store.as_ref(), &self.spec.name, pace.limit(p.batch, p.lease), p.lease)
-                        .await;
+                    let (leased, leased_at) = self.lease_next(pace.limit(p.batch, p.lease), &mut turns).await;
                     (leased, leased_at, gate)
                 }
             };
@@ -137,8 +184,7 @@ impl QueueRunner {
                 if self.is_paused() {
                     return None;
                 }
-                let at = Instant::now();
-                Some((self.leases.lease(self.store.as_ref(), &self.spec.name, limit, p.lease).await, at))
+                Some(self.lease_next(limit, &mut turns).await)
             };
             let (lost, next) = self.process_batch_then(&batch, leased_at, &shutdown, next).await;
             pace.record(batch.len(), lost, leased_at.elapsed());

@@ -292,7 +292,9 @@ pub trait Executor {
     /// Claim `key` on `queue` for message `id` for `window`, unless a live
     /// claim exists: `None` if claimed, else the id of the message holding it.
     async fn dedup_claim(&mut self, queue: &str, key: &str, id: &str, window: Duration) -> StoreResult<Option<String>>;
-    /// Insert a new message with this id.
+    /// Insert a new message with this id: ready (or delayed), or, for a
+    /// send with a [`SendParams::handoff`] on a store that supports it,
+    /// leased with the handoff's token (then told to the handoff).
     async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()>;
     /// Keep an existing claim of `key` on `queue` for `window` from now.
     async fn dedup_hold(&mut self, queue: &str, key: &str, window: Duration) -> StoreResult<()>;
@@ -302,6 +304,11 @@ pub trait Executor {
 /// every store: a live claim drops the send), then insert it.
 pub async fn send<E: Executor + ?Sized>(ex: &mut E, p: &SendParams, default_window: Duration) -> StoreResult<SendOutcome> {
     let id = crate::value::message_id();
+    if let Some(h) = &p.handoff {
+        // Applied again (the batch re-committed one by one): only this
+        // application's insert counts.
+        h.set_landed(None);
+    }
     if let Some(key) = &p.dedup_key {
         let window = p.dedup_window.unwrap_or(default_window);
         if let Some(existing_id) = ex.dedup_claim(&p.queue, key, &id, window).await? {
@@ -364,6 +371,10 @@ pub struct CommitOptions {
     /// How long a leader waits for more messages before it commits
     /// (`commit.max_wait`); zero commits what is queued at once.
     pub max_wait: Duration,
+    /// Hand follow-ups and intents bound for a queue this host works to
+    /// its workers in memory, inserted already leased (`commit.handoff`;
+    /// SQLite only).
+    pub handoff: bool,
     /// Unknown outcomes injected on whole batches (tests only, with the
     /// `fault-injection` feature): see [`super::faulty::FaultyBatch`].
     #[cfg(feature = "fault-injection")]
@@ -375,6 +386,7 @@ impl Default for CommitOptions {
         CommitOptions {
             max_batch: 64,
             max_wait: Duration::ZERO,
+            handoff: true,
             #[cfg(feature = "fault-injection")]
             faults: None,
         }

@@ -164,6 +164,9 @@ impl Store for FaultyStore {
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         self.inner.commit_stats()
     }
+    fn handoff(&self) -> bool {
+        self.inner.handoff()
+    }
     fn commit_observe(&self, observer: commit::BatchObserver) {
         self.inner.commit_observe(observer)
     }

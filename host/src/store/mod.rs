@@ -188,6 +188,52 @@ pub struct SendParams {
     /// How long the dedup key is remembered (default: the store's
     /// `dedup_window`). Outbox intents hold theirs until delivered.
     pub dedup_window: Option<Duration>,
+    /// Insert the message already leased to this host, for a worker of
+    /// the same host to take from memory after the commit
+    /// ([`crate::protocol`], "Handoff"). A store that cannot
+    /// ([`Store::handoff`] false) inserts it ready, as without.
+    pub handoff: Option<Arc<Handoff>>,
+}
+
+/// A send inserted already leased (its lease's token and length), and
+/// what the insert gave back for the worker that takes it over: set by
+/// the store when the insert ran, cleared when the same pending is applied
+/// again (a batch re-committed one message at a time).
+#[derive(Debug)]
+pub struct Handoff {
+    pub token: String,
+    pub lease: Duration,
+    landed: std::sync::Mutex<Option<HandedOff>>,
+}
+
+/// What the leased insert of a [`Handoff`] wrote: the message's id,
+/// enqueue time and lease deadline (database time, µs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedOff {
+    pub id: String,
+    pub enqueued_at: i64,
+    pub lease_until: i64,
+}
+
+impl Handoff {
+    pub fn new(lease: Duration) -> Handoff {
+        Handoff {
+            token: crate::value::random_id(),
+            lease,
+            landed: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The insert ran (`Some`), or this send's pending is being applied
+    /// again or the send was a duplicate (`None`).
+    pub fn set_landed(&self, landed: Option<HandedOff>) {
+        *self.landed.lock().unwrap_or_else(|p| p.into_inner()) = landed;
+    }
+
+    /// What the last application of the send inserted, if it inserted.
+    pub fn landed(&self) -> Option<HandedOff> {
+        self.landed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// The result of a send.
@@ -432,6 +478,11 @@ pub trait Store: Send + Sync + 'static {
     /// Tell `observer` of every group commit (telemetry's `commit` span);
     /// a store without group commit has none to tell.
     fn commit_observe(&self, _observer: commit::BatchObserver) {}
+
+    /// Whether sends with a [`SendParams::handoff`] are inserted leased
+    /// (SQLite, unless `commit.handoff = false`). Where false, the protocol
+    /// never hands a message over in memory.
+    fn handoff(&self) -> bool;
 
     /// The business tables, as read from the database when it was opened.
     fn schema(&self) -> Arc<Schema>;

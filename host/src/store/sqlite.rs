@@ -477,6 +477,28 @@ impl commit::Executor for SqliteExec<'_> {
     }
 
     async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()> {
+        if let Some(h) = p.handoff.as_ref().filter(|_| p.delay.is_zero()) {
+            // Leased to this host from the start: its first delivery.
+            let (enqueued_at, lease_until) = self
+                .conn
+                .prepare_cached(&format!(
+                    "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at, lease_token)
+                     VALUES (?1, ?2, ?3, ?4, 1, {NOW}, {NOW} + ?5, ?6) RETURNING enqueued_at, visible_at"
+                ))
+                .and_then(|mut s| {
+                    s.query_row(
+                        params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(h.lease), h.token],
+                        |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)),
+                    )
+                })
+                .map_err(classify)?;
+            h.set_landed(Some(super::HandedOff {
+                id: id.to_string(),
+                enqueued_at,
+                lease_until,
+            }));
+            return Ok(());
+        }
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at) VALUES (?1, ?2, ?3, ?4, 0, {NOW}, {NOW} + ?5)"
@@ -981,6 +1003,10 @@ impl Store for SqliteStore {
 
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         Some(self.inner.group.stats())
+    }
+
+    fn handoff(&self) -> bool {
+        self.inner.options.commit.handoff
     }
 
     fn commit_observe(&self, observer: commit::BatchObserver) {

@@ -249,6 +249,12 @@ impl Store for SpannerStore {
         self.group.observe(observer)
     }
 
+    /// Not on Spanner: a follow-up is inserted ready and leased from the
+    /// table, by whichever host gets it first.
+    fn handoff(&self) -> bool {
+        false
+    }
+
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         let mut stats = self.group.stats();
         stats.split_batches = self.splits.load(std::sync::atomic::Ordering::Relaxed);
