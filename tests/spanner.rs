@@ -18,6 +18,57 @@ async fn db() -> std::sync::Arc<dyn onceq::store::Store> {
     spanner_db(SCHEMA_SPANNER, StoreOptions::default()).await.0
 }
 
+/// Concurrent messages' reads by key of one table go to Spanner together:
+/// 40 transactions reading at once (32 rows of a two-column key, 8 keys
+/// with no row) each get their own row, or none, from a handful of read
+/// calls, not 40.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_concurrent_point_reads_are_served_by_shared_reads() {
+    use onceq::value::{RowWrite, Value, WriteOp};
+    let store = db().await;
+    let pairs = store.schema().table("pairs").unwrap().clone();
+    let mut tx = store.transaction_begin().await.unwrap();
+    for n in 0..32 {
+        let w = RowWrite {
+            table: "pairs".into(),
+            op: WriteOp::Insert,
+            columns: vec![
+                ("a".into(), Value::String("k".into())),
+                ("n".into(), Value::Int64(n)),
+                ("v".into(), Value::String(format!("v{n}"))),
+            ],
+        };
+        tx.row_write(pairs.check_write(&w).unwrap());
+    }
+    tx.commit().await.unwrap();
+    let before = store.commit_stats().unwrap();
+    let start = Arc::new(tokio::sync::Barrier::new(40));
+    let reads: Vec<_> = (0..40)
+        .map(|n| {
+            let (store, pairs, start) = (store.clone(), pairs.clone(), start.clone());
+            tokio::spawn(async move {
+                let mut tx = store.transaction_begin().await.unwrap();
+                start.wait().await;
+                let row = tx.row_get(&pairs, &[Value::String("k".into()), Value::Int64(n)]).await.unwrap();
+                tx.rollback().await;
+                (n, row.map(|r| r.into_iter().find(|(c, _)| c == "v").unwrap().1))
+            })
+        })
+        .collect();
+    for r in reads {
+        let (n, v) = r.await.unwrap();
+        let want = (n < 32).then(|| Value::String(format!("v{n}")));
+        assert_eq!(v, want, "the row of key ({{k}}, {n})");
+    }
+    let after = store.commit_stats().unwrap();
+    let (keys, calls) = (
+        after.point_reads - before.point_reads,
+        after.point_read_calls - before.point_read_calls,
+    );
+    assert_eq!(keys, 40);
+    assert!(calls <= 10, "{calls} read calls for 40 reads made at once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_lease_and_ack() {
     suite::lease_and_ack(db().await).await

@@ -1360,6 +1360,67 @@ fn payments_config(store: &str, extra: &str, component: &Path, charges: &str) ->
     )
 }
 
+/// How soon a charge reaches the outside world on a host with little to
+/// do: `onceq run` on an empty queue, one payments message sent every
+/// 370 ms with `onceq send` (slower than the idle polls' backoff, so each
+/// finds the host idle), timed from the send's return to its intent's line
+/// in the file; `commit.handoff` on (the default) and off.
+fn intent_latency(work: &Path, component: &Path) {
+    let sends = env_usize("ONCEQ_BENCH_LATENCY_SENDS", 25);
+    println!("\n| an intent's latency on an idle host: `onceq send` returned to the line delivered, {sends} sends 370 ms apart | median ms | p90 ms |");
+    println!("|---|---|---|");
+    for (label, extra) in [
+        ("default (`commit.handoff = true`)", ""),
+        ("`commit.handoff = false`", "[commit]\nhandoff = false\n"),
+    ] {
+        let name = if extra.is_empty() { "latency-on" } else { "latency-off" };
+        let (store, db) = fresh_db(work, &format!("{name}.db"));
+        drop(store);
+        let charges = work.join(format!("{name}.jsonl"));
+        let config = payments_config(&db.display().to_string(), extra, component, &charges.display().to_string());
+        std::fs::write(work.join("onceq.toml"), config).unwrap();
+        let mut host = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
+            .current_dir(work)
+            .arg("run")
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let lines = || std::fs::read_to_string(&charges).map_or(0, |s| s.lines().count());
+        let mut took = Vec::new();
+        // The first send waits for the host to be up; not counted.
+        for i in 0..=sends {
+            std::thread::sleep(Duration::from_millis(370));
+            let sent = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"))
+                .current_dir(work)
+                .args(["send", "payments", "--payload"])
+                .arg(String::from_utf8(order_payload(i)).unwrap())
+                .env("RUST_LOG", "error")
+                .stdout(std::process::Stdio::null())
+                .status()
+                .unwrap();
+            assert!(sent.success(), "onceq send failed");
+            let at = Instant::now();
+            let deadline = at + Duration::from_secs(60);
+            while lines() <= i {
+                assert!(Instant::now() < deadline, "intent {i} not delivered in a minute");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if i > 0 {
+                took.push(at.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        let _ = host.kill();
+        let _ = host.wait();
+        took.sort_by(f64::total_cmp);
+        let (median, p90) = (took[took.len() / 2], took[took.len() * 9 / 10]);
+        println!("| {label} | {median:.0} | {p90:.0} |");
+        if extra.is_empty() {
+            history::record("intent_latency_idle_ms", median);
+        }
+    }
+}
+
 /// `onceq run --until-empty` in `work` (its `onceq.toml`), logging errors only.
 fn until_empty(work: &Path) -> std::process::Command {
     let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_onceq"));
@@ -1477,6 +1538,7 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     history::record("raw_full_msgs_per_s", full.msgs_per_s);
     history::record("cli_over_raw_full", cli / full.msgs_per_s);
     history::record("cli_pages_per_message", cli_pages);
+    intent_latency(&work, component);
 
     // What a team gets in each language: the same handler built with each
     // SDK, through the CLI with the defaults (ONCEQ_BENCH_CLI_GUEST_MESSAGES

@@ -404,6 +404,10 @@ pub struct CommitStats {
     /// Batches that failed as a whole and were committed one message at a
     /// time (Spanner: a write the database refused fails the whole commit).
     pub split_batches: u64,
+    /// Spanner: handlers' point reads, and the read calls that served them
+    /// (reads of concurrent messages are coalesced, `store/spanner/reads.rs`).
+    pub point_reads: u64,
+    pub point_read_calls: u64,
     /// What `CommitOptions::faults` injected.
     #[cfg(feature = "fault-injection")]
     pub faults: Arc<super::faulty::BatchFaultCounts>,
@@ -566,6 +570,8 @@ impl Group {
             batches: self.batches.load(std::sync::atomic::Ordering::Relaxed),
             messages: self.messages.load(std::sync::atomic::Ordering::Relaxed),
             split_batches: 0,
+            point_reads: 0,
+            point_read_calls: 0,
             #[cfg(feature = "fault-injection")]
             faults: self.faults.clone(),
         }

@@ -343,6 +343,7 @@ impl SpannerStore {
             }),
         };
         Ok(SpannerStore {
+            reads: Default::default(),
             pool,
             schema,
             group: Arc::new(commit::Group::new(options.commit, Arc::new(batch))),

@@ -59,6 +59,7 @@ mod codec;
 mod error;
 mod lease;
 mod pool;
+mod reads;
 mod store;
 mod transaction;
 mod turns;
@@ -111,6 +112,8 @@ pub struct SpannerStore {
     instance: String,
     /// Batches that failed as a whole and were committed one by one.
     splits: Arc<std::sync::atomic::AtomicU64>,
+    /// Handlers' point reads, coalesced ([`reads`]).
+    reads: Arc<reads::PointReads>,
 }
 
 fn shard_of(id: &str, shards: u32) -> i64 {

@@ -258,6 +258,8 @@ impl Store for SpannerStore {
     fn commit_stats(&self) -> Option<commit::CommitStats> {
         let mut stats = self.group.stats();
         stats.split_batches = self.splits.load(std::sync::atomic::Ordering::Relaxed);
+        stats.point_reads = self.reads.keys.load(std::sync::atomic::Ordering::Relaxed);
+        stats.point_read_calls = self.reads.calls.load(std::sync::atomic::Ordering::Relaxed);
         Some(stats)
     }
 
@@ -374,6 +376,7 @@ impl Store for SpannerStore {
     async fn transaction_begin(&self) -> StoreResult<Box<dyn Transaction>> {
         let snapshot = SpannerSnapshot {
             pool: self.pool.clone(),
+            reads: self.reads.clone(),
             ro: None,
         };
         Ok(Box::new(commit::Buffered::new(snapshot, self.group.clone())))

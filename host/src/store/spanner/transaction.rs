@@ -1,12 +1,15 @@
-//! A message transaction's reads on Spanner: a read-only transaction
-//! (a strong snapshot) on a pooled client, opened on the first read, under
-//! the call deadline. The transaction itself is [`commit::Buffered`].
+//! A message transaction's reads on Spanner: point reads coalesced with
+//! other messages' ([`super::reads`]); scans in a read-only transaction (a
+//! strong snapshot) on a pooled client, opened on the first scan; all
+//! under the call deadline. The transaction itself is
+//! [`commit::Buffered`].
 
 use super::*;
 
 /// The snapshot serving one message transaction's reads.
 pub(super) struct SpannerSnapshot {
     pub(super) pool: Arc<Pool>,
+    pub(super) reads: Arc<super::reads::PointReads>,
     /// The read-only transaction, with the client it holds until dropped.
     pub(super) ro: Option<(Lent, google_cloud_spanner::transaction::MultiUseReadOnlyTransaction)>,
 }
@@ -24,17 +27,16 @@ impl SpannerSnapshot {
         }
     }
 
-    /// A handler's read in the snapshot, under the call deadline.
-    async fn rows(&mut self, table: &TableSchema, key: &[Value], limit: Option<usize>) -> StoreResult<Vec<Row>> {
+    /// A handler's scan in the snapshot, under the call deadline.
+    async fn scan_rows(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
         let pool = self.pool.clone();
-        let what = format!("a read of {}", table.name);
+        let what = format!("a scan of {}", table.name);
         pool.within(&what, false, async {
             let snapshot = self.open().await?;
-            let rs = match limit {
-                None => snapshot.execute_read(point_read(table, [key])).await,
-                Some(_) => snapshot.execute_query(select_stmt(table, key, limit)).await,
-            }
-            .map_err(classify)?;
+            let rs = snapshot
+                .execute_query(select_stmt(table, prefix, Some(limit)))
+                .await
+                .map_err(classify)?;
             collect(table, rs).await
         })
         .await
@@ -44,10 +46,10 @@ impl SpannerSnapshot {
 #[async_trait]
 impl commit::Snapshot for SpannerSnapshot {
     async fn get(&mut self, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
-        Ok(self.rows(table, key, None).await?.into_iter().next())
+        self.reads.get(&self.pool, table, key).await
     }
 
     async fn scan(&mut self, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
-        self.rows(table, prefix, Some(limit)).await
+        self.scan_rows(table, prefix, limit).await
     }
 }
