@@ -154,6 +154,7 @@ impl QueueRunner {
                         reruns += 1;
                         contended = 0;
                         unknown_seen = true;
+                        slot.uncertain();
                         self.metrics.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
                         warn!(
                             class = e.class(),

@@ -43,7 +43,10 @@
 //! worker. If a renewal finds the lease gone, or no renewal succeeds before
 //! the lease runs out, the message's work is cancelled (dropped: its
 //! transaction rolls back) unless its commit is already under way, in which
-//! case the commit's own guarded ack decides. Fast handlers never renew.
+//! case the commit's own guarded ack decides. A re-run cancelled so after
+//! an unknown commit outcome asks the store whether that commit landed
+//! (the message's row gone) and counts the message already committed if
+//! so. Fast handlers never renew.
 //!
 //! # Files
 //!

@@ -37,6 +37,10 @@ pub(super) struct State {
     pub done: bool,
     /// It ended, one way or another.
     pub ended: bool,
+    /// A commit of it had an unknown outcome: if its work is cancelled
+    /// now, whether that commit landed must be asked of the store
+    /// ([`super::QueueRunner::resolve_uncertain`]).
+    pub uncertain: bool,
 }
 
 /// See the module docs.
@@ -85,6 +89,11 @@ impl Slot {
     /// Its commit ended (whatever the result).
     pub(super) fn commit_ended(&self) {
         self.state.send_modify(|s| s.committing = false);
+    }
+
+    /// A commit of it had an unknown outcome.
+    pub(super) fn uncertain(&self) {
+        self.state.send_modify(|s| s.uncertain = true);
     }
 
     /// Its lease is gone.

@@ -325,15 +325,52 @@ impl QueueRunner {
                 () = slot.cancelled() => {
                     self.metrics.lease_lost.fetch_add(1, Ordering::Relaxed);
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    warn!(
-                        queue = %self.spec.name,
-                        message_id = %lm.message.id,
-                        "lease lost while the handler ran: work cancelled, nothing committed; the new lease holder will process it"
-                    );
+                    if slot.state().uncertain {
+                        self.resolve_uncertain(lm).await;
+                    } else {
+                        warn!(
+                            queue = %self.spec.name,
+                            message_id = %lm.message.id,
+                            "lease lost while the handler ran: work cancelled, nothing committed; the new lease holder will process it"
+                        );
+                    }
                 }
             }
         }
         slot.end(done);
+    }
+
+    /// A message whose commit had an unknown outcome lost its lease while
+    /// it re-ran (its work is cancelled): did that commit land? Its row
+    /// tells. Gone: the commit landed (it is counted already committed; a
+    /// new holder cannot have leased it, unless one did after the lease
+    /// ran out and finished it meanwhile, a window of the time this check
+    /// takes). There: it did not, and the new holder processes it. The
+    /// answer changes only what is counted: the acks are guarded either
+    /// way.
+    async fn resolve_uncertain(&self, lm: &LeasedMessage) {
+        let (queue, id) = (&self.spec.name, &lm.message.id);
+        for tries in 1..=3 {
+            match self.store.message_get(id).await {
+                Ok(None) => {
+                    self.metrics.already_committed.fetch_add(1, Ordering::Relaxed);
+                    warn!(queue = %queue, message_id = %id, "lease lost while re-running after an unknown commit outcome; the message is gone: the earlier commit landed");
+                    return;
+                }
+                Ok(Some(_)) => {
+                    warn!(queue = %queue, message_id = %id, "lease lost while re-running after an unknown commit outcome; the message is still queued: the earlier commit did not land, the new lease holder will process it");
+                    return;
+                }
+                Err(e) if tries < 3 => {
+                    debug!(queue = %queue, message_id = %id, "asking whether an uncertain commit landed failed: {e}");
+                    tokio::time::sleep(jittered(self.spec.policy.poll_max)).await;
+                }
+                Err(e) => {
+                    self.metrics.store_error(&e);
+                    warn!(queue = %queue, message_id = %id, class = e.class(), "lease lost while re-running after an unknown commit outcome, and the store could not say whether that commit landed: {e}; it is counted nowhere (its effects were applied once or not at all)");
+                }
+            }
+        }
     }
 
     pub(super) async fn release(&self, lm: &LeasedMessage) {
@@ -536,6 +573,46 @@ mod tests {
             .process_batch_then(&batch, tokio::time::Instant::now(), &rx, async { "leased" })
             .await;
         assert_eq!(next, None);
+    }
+
+    /// A commit that landed with an unknown outcome, then a re-run
+    /// cancelled because its lease could not be renewed: the message is
+    /// gone, so it is counted already committed, not left uncounted.
+    #[tokio::test(start_paused = true)]
+    async fn a_re_run_cancelled_after_a_landed_unknown_commit_counts_it_committed() {
+        let (_dir, base) = store();
+        let plan = FaultPlan {
+            after_commit: 1.0,
+            limit: Some(1),
+            renewals_fail: true,
+            ..FaultPlan::default()
+        };
+        let (faulty, counts) = FaultyStore::new(base.clone(), plan);
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let lease = Duration::from_secs(3);
+        let batch = leased(&store, 1, lease).await;
+        // The first run is quick; the re-run outlasts the lease.
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (c, inner) = (calls.clone(), slow_writer(Duration::ZERO));
+        let handler = Arc::new(crate::protocol::NativeHandler::new("slow-re-run", move |m, scope| {
+            let (c, inner) = (c.clone(), inner.clone());
+            async move {
+                if c.fetch_add(1, Relaxed) > 0 {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+                inner.handle(&m, scope).await
+            }
+        }));
+        let r = runner(&store, handler, lease);
+        let lost = r
+            .process_batch(&batch, tokio::time::Instant::now(), &crate::shutdown::Shutdown::never())
+            .await;
+        assert_eq!(counts.after_commit.load(Relaxed), 1, "the fault was injected");
+        assert_eq!((lost, calls.load(Relaxed)), (1, 2), "re-run, then cancelled");
+        assert_eq!(r.metrics.cancelled.load(Relaxed), 1);
+        assert_eq!(r.metrics.already_committed.load(Relaxed), 1);
+        assert_eq!(r.metrics.processed.load(Relaxed), 0);
+        assert_eq!(rows(&base).await, 1, "applied once");
     }
 
     const MS: Duration = Duration::from_millis(1);
