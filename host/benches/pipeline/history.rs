@@ -116,7 +116,7 @@ struct Panel {
     series: &'static [(&'static str, &'static str, Option<f64>)],
 }
 
-const PANELS: [Panel; 4] = [
+const PANELS: [Panel; 5] = [
     Panel {
         title: "ratios in one run (higher is better; dashed: target)",
         log: false,
@@ -149,6 +149,11 @@ const PANELS: [Panel; 4] = [
         title: "written per message through the CLI, 4 KiB pages (lower is better; dashed: target)",
         log: false,
         series: &[("cli_pages_per_message", "CLI, Rust payments, with delivery", Some(12.0))],
+    },
+    Panel {
+        title: "an intent's latency on an idle host, median ms (lower is better)",
+        log: false,
+        series: &[("intent_latency_idle_ms", "send to delivered, file connector", None)],
     },
 ];
 
