@@ -337,7 +337,7 @@ async fn a_delivery_slower_than_its_lease_is_not_sent_twice() {
     drain(&db.store, &[payments]).await;
     let settings = OutboxSettings {
         lease: Duration::from_millis(400),
-        workers: 3,
+        workers: Some(3),
         batch: 1,
         ..fast_outbox()
     };

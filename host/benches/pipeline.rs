@@ -492,7 +492,10 @@ fn raw_sqlite_full(dir: &Path, name: &str, n: usize, per_commit: usize, deliver:
     let (store, path) = fresh_db(dir, name);
     drop(store);
     let mut c = rusqlite::Connection::open(&path).unwrap();
-    c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;").unwrap();
+    // temp_store as onceq's writer has it: a savepoint per message's
+    // sub-journal stays in memory instead of spilling to a file.
+    c.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA temp_store = MEMORY;")
+        .unwrap();
     const NOW: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
     {
         let tx = c.transaction().unwrap();
@@ -624,11 +627,11 @@ fn raw_deliver(c: &mut rusqlite::Connection, sink: &mut std::fs::File, n: usize)
         let mut s = c
             .prepare_cached(&format!(
                 "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + 30000000, attempt = attempt + 1
-                 WHERE id IN (SELECT id FROM onceq_messages WHERE queue = 'onceq.outbox.charge' AND visible_at <= {NOW} ORDER BY visible_at LIMIT ?2)
+                 WHERE id IN (SELECT id FROM onceq_messages WHERE queue = 'onceq.outbox.charge' AND visible_at <= {NOW} ORDER BY visible_at LIMIT {n})
                  RETURNING id, payload, attributes"
             ))
             .unwrap();
-        s.query_map(params![token, n as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        s.query_map(params![token], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .unwrap()
             .map(Result::unwrap)
             .collect()

@@ -733,7 +733,7 @@ impl RawOutbox {
             }
         };
         let outbox = OutboxSettings {
-            workers: o.workers.unwrap_or(od.workers),
+            workers: o.workers.or(od.workers),
             batch: o.batch.unwrap_or(od.batch),
             lease: odur("lease", &o.lease, od.lease)?,
             max_attempts: o.max_attempts.unwrap_or(od.max_attempts).max(1),
@@ -741,7 +741,7 @@ impl RawOutbox {
             backoff_max: odur("backoff_max", &o.backoff_max, od.backoff_max)?,
             retention: odur("retention", &o.retention, od.retention)?,
         };
-        if outbox.workers == 0 || outbox.batch == 0 {
+        if outbox.workers == Some(0) || outbox.batch == 0 {
             bail!("outbox.workers and outbox.batch must be at least 1");
         }
         if outbox.lease < Duration::from_millis(100) {
@@ -1182,7 +1182,7 @@ mod tests {
             Path::new("/base"),
         )
         .unwrap();
-        assert_eq!((cfg.outbox.workers, cfg.outbox.retention), (2, Duration::from_secs(3600)));
+        assert_eq!((cfg.outbox.workers, cfg.outbox.retention), (Some(2), Duration::from_secs(3600)));
         assert_eq!(cfg.outbox.max_attempts, OutboxSettings::default().max_attempts);
         match &cfg.connectors[0] {
             (n, ConnectorConfig::Webhook { url, timeout, headers, .. }) => {

@@ -186,7 +186,7 @@ pub fn onceq_command(dir: &Path, args: &[&str]) -> tokio::process::Command {
 /// Outbox settings for tests: short backoff, short leases.
 pub fn fast_outbox() -> onceq::outbox::OutboxSettings {
     onceq::outbox::OutboxSettings {
-        workers: 2,
+        workers: Some(2),
         batch: 4,
         lease: Duration::from_secs(5),
         max_attempts: 10,

@@ -144,7 +144,16 @@ pub trait Connector: Send + Sync {
     /// or when an earlier delivery's ack was lost: the far side must
     /// deduplicate by the key.
     async fn deliver(&self, intent: &Intent) -> Delivery;
+
+    /// Concurrent deliveries when `outbox.workers` is not set.
+    fn default_workers(&self) -> usize {
+        DEFAULT_WORKERS
+    }
 }
+
+/// Concurrent deliveries per connector by default: what a receiver over
+/// the network is asked to take at once.
+pub const DEFAULT_WORKERS: usize = 16;
 
 /// The handler of an outbox queue: delivers each intent through its
 /// connector. It reads nothing and returns no effects; on a delivery it
@@ -222,8 +231,9 @@ impl Handler for Dispatcher {
 /// How the outbox queues are worked (`[outbox]` in `onceq.toml`).
 #[derive(Debug, Clone)]
 pub struct OutboxSettings {
-    /// Concurrent deliveries per connector.
-    pub workers: usize,
+    /// Concurrent deliveries per connector; `None`: the connector's own
+    /// default ([`Connector::default_workers`]).
+    pub workers: Option<usize>,
     /// Intents leased per round trip.
     pub batch: usize,
     /// Lease per intent (renewed in the background while a delivery runs).
@@ -239,7 +249,7 @@ pub struct OutboxSettings {
 impl Default for OutboxSettings {
     fn default() -> Self {
         OutboxSettings {
-            workers: 16,
+            workers: None,
             batch: 4,
             lease: Duration::from_secs(30),
             max_attempts: 20,
@@ -252,6 +262,7 @@ impl Default for OutboxSettings {
 
 /// The runner of one connector's outbox queue.
 pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, s: &OutboxSettings) -> QueueRunner {
+    let workers = s.workers.unwrap_or_else(|| connector.default_workers());
     QueueRunner::new(
         QueueSpec {
             name: queue_of(name),
@@ -264,7 +275,7 @@ pub fn runner(store: Arc<dyn Store>, name: &str, connector: Arc<dyn Connector>, 
                 max_deliveries: Policy::default().max_deliveries.max(s.max_attempts.saturating_mul(2)),
                 backoff_initial: s.backoff_initial,
                 backoff_max: s.backoff_max,
-                workers: s.workers,
+                workers,
                 batch: s.batch,
                 ..Policy::default()
             },

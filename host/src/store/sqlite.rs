@@ -266,7 +266,13 @@ fn read_row(table: &TableSchema, r: &rusqlite::Row<'_>) -> StoreResult<Row> {
     Ok(row)
 }
 
-fn select_sql(table: &TableSchema, key_len: usize, limit: bool) -> String {
+/// A read by key (`limit` None) or a scan of at most `limit` rows in key
+/// order. The limit is written into the statement, not bound: with a bound
+/// `LIMIT ?` this SQLite build (STAT4) re-prepares the statement on every
+/// run, the plan depending on the value (measured: every run of the lease
+/// statement re-prepared, a third of a lease's time). A statement per
+/// limit is cached instead; handlers use a few.
+fn select_sql(table: &TableSchema, key_len: usize, limit: Option<usize>) -> String {
     let cols: Vec<String> = table.columns.iter().map(|c| quote(&c.name)).collect();
     let mut sql = format!("SELECT {} FROM {}", cols.join(", "), quote(&table.name));
     let keys: Vec<String> = table.key_columns().map(|c| quote(&c.name)).collect();
@@ -280,14 +286,14 @@ fn select_sql(table: &TableSchema, key_len: usize, limit: bool) -> String {
         sql.push_str(" WHERE ");
         sql.push_str(&conds.join(" AND "));
     }
-    if limit {
-        sql.push_str(&format!(" ORDER BY {} LIMIT ?{}", keys.join(", "), key_len + 1));
+    if let Some(limit) = limit {
+        sql.push_str(&format!(" ORDER BY {} LIMIT {limit}", keys.join(", ")));
     }
     sql
 }
 
 fn row_get_on(conn: &Connection, table: &TableSchema, key: &[Value]) -> StoreResult<Option<Row>> {
-    let mut stmt = conn.prepare_cached(&select_sql(table, key.len(), false)).map_err(classify)?;
+    let mut stmt = conn.prepare_cached(&select_sql(table, key.len(), None)).map_err(classify)?;
     let params: Vec<SqlValue> = key.iter().map(to_sql).collect();
     let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(classify)?;
     match rows.next().map_err(classify)? {
@@ -297,9 +303,8 @@ fn row_get_on(conn: &Connection, table: &TableSchema, key: &[Value]) -> StoreRes
 }
 
 fn row_scan_on(conn: &Connection, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
-    let mut stmt = conn.prepare_cached(&select_sql(table, prefix.len(), true)).map_err(classify)?;
-    let mut params: Vec<SqlValue> = prefix.iter().map(to_sql).collect();
-    params.push(SqlValue::Integer(limit as i64));
+    let mut stmt = conn.prepare_cached(&select_sql(table, prefix.len(), Some(limit))).map_err(classify)?;
+    let params: Vec<SqlValue> = prefix.iter().map(to_sql).collect();
     let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(classify)?;
     let mut out = Vec::new();
     while let Some(r) = rows.next().map_err(classify)? {
@@ -666,6 +671,17 @@ impl SqliteStore {
         migrate_failures(&mut conn).with_context(|| format!("adding the failure counts to {}", path.display()))?;
         migrate_lease_index(&mut conn).with_context(|| format!("adding the lease token to the queue index of {}", path.display()))?;
         let schema = load_schema(&conn).with_context(|| format!("reading the schema of {}", path.display()))?;
+        // The writer keeps its temporary files in memory (after the
+        // migrations above, whose index builds may sort a big queue). A
+        // batch commit's savepoint per message makes SQLite journal every
+        // page a message touches again after an earlier message of the
+        // batch touched it; past 64 KiB that sub-journal spilled to a new
+        // file under /var/tmp for every batch: 13.5 of the 16.2 pages a
+        // message wrote through the CLI, and a `pwrite` per page
+        // (docs/src/benchmarks.md). It is bounded by the batch (at most
+        // `commit.max_batch` messages) and freed at its commit.
+        conn.execute_batch("PRAGMA temp_store = MEMORY")
+            .with_context(|| format!("keeping temporary files of {} in memory", path.display()))?;
         // The committer holds the store weakly: dropping the store stops it.
         let inner = Arc::new_cyclic(|weak: &std::sync::Weak<Inner>| Inner {
             path: path.to_path_buf(),
@@ -1033,14 +1049,16 @@ impl Store for SqliteStore {
             .inner
             .write_undurable(move |c| {
                 let mut stmt = c
+                    // The limit written in, not bound: see `select_sql`.
                     .prepare_cached(&format!(
                         "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + ?2, attempt = attempt + 1
-                         WHERE id IN (SELECT id FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT ?4)
-                         RETURNING id, payload, attributes, attempt, enqueued_at, visible_at, failures"
+                         WHERE id IN (SELECT id FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT {})
+                         RETURNING id, payload, attributes, attempt, enqueued_at, visible_at, failures",
+                        p.limit
                     ))
                     .map_err(classify)?;
                 let rows = stmt
-                    .query_map(params![token, micros(p.lease), p.queue, p.limit as i64], |r| {
+                    .query_map(params![token, micros(p.lease), p.queue], |r| {
                         Ok(LeasedMessage {
                             message: Message {
                                 id: r.get(0)?,
