@@ -505,6 +505,24 @@ mod tests {
         assert_eq!(file_line(&i)["payload_base64"], "/wA=");
     }
 
+    #[tokio::test]
+    async fn a_file_connector_works_more_deliveries_at_once_unless_outbox_workers_is_set() {
+        let (dir, store) = crate::protocol::testing::store();
+        let file: Arc<dyn Connector> = Arc::new(FileConnector::new(dir.path().join("out.jsonl")));
+        let log: Arc<dyn Connector> = Arc::new(LogConnector);
+        let by_default = crate::outbox::OutboxSettings::default();
+        let workers = |c: &Arc<dyn Connector>, s: &crate::outbox::OutboxSettings| {
+            crate::outbox::runner(store.clone(), "c", c.clone(), s).spec.policy.workers
+        };
+        assert_eq!(workers(&file, &by_default), FILE_WORKERS);
+        assert_eq!(workers(&log, &by_default), crate::outbox::DEFAULT_WORKERS);
+        let set = crate::outbox::OutboxSettings {
+            workers: Some(3),
+            ..by_default
+        };
+        assert_eq!((workers(&file, &set), workers(&log, &set)), (3, 3));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_file_deliveries_share_their_fsyncs_and_every_line_lands_whole() {
         let dir = tempfile::tempdir().unwrap();
