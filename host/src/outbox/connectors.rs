@@ -317,37 +317,60 @@ impl FileShared {
     /// Write what is queued, one group at a time, until nothing is. A task
     /// of its own: a delivery given up by its caller does not stop the
     /// writes the others wait for.
-    async fn write_queued(self: Arc<Self>) {
-        loop {
-            let (lines, waiting) = {
-                let mut q = self.queued();
-                if q.waiting.is_empty() {
-                    q.writing = false;
-                    return;
+    fn write_queued(self: Arc<Self>) -> impl std::future::Future<Output = ()> + Send + 'static {
+        // Dropped with the task however it ends early (the runtime shutting
+        // down drops it mid-write, or before it first ran): the next
+        // delivery then starts a writer, which takes what is still queued,
+        // where `writing` left set would have made every later delivery
+        // wait for good. A writer that runs out of work clears `writing`
+        // itself, under the same lock that found the queue empty, so no
+        // delivery queued in between is missed.
+        struct Stopped {
+            shared: Arc<FileShared>,
+            finished: bool,
+        }
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                if !self.finished {
+                    self.shared.queued().writing = false;
                 }
-                (std::mem::take(&mut q.lines), std::mem::take(&mut q.waiting))
-            };
-            let path = self.path.clone();
-            // One write: the group's lines land whole and together (the
-            // file is opened to append, so writers of other hosts never
-            // interleave within a line).
-            let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                if let Some(dir) = path.parent() {
-                    if !dir.as_os_str().is_empty() {
-                        std::fs::create_dir_all(dir)?;
+            }
+        }
+        let stopped = Stopped { shared: self.clone(), finished: false };
+        async move {
+            let mut stopped = stopped; // moved in whole: dropped with the task
+            loop {
+                let (lines, waiting) = {
+                    let mut q = self.queued();
+                    if q.waiting.is_empty() {
+                        q.writing = false;
+                        stopped.finished = true;
+                        return;
                     }
+                    (std::mem::take(&mut q.lines), std::mem::take(&mut q.waiting))
+                };
+                let path = self.path.clone();
+                // One write: the group's lines land whole and together (the
+                // file is opened to append, so writers of other hosts never
+                // interleave within a line).
+                let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+                    if let Some(dir) = path.parent() {
+                        if !dir.as_os_str().is_empty() {
+                            std::fs::create_dir_all(dir)?;
+                        }
+                    }
+                    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+                    f.write_all(&lines)?;
+                    f.sync_data()
+                })
+                .await
+                .map_err(std::io::Error::other)
+                .and_then(|r| r)
+                .map_err(|e| e.to_string());
+                self.syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for w in waiting {
+                    let _ = w.send(written.clone()); // a caller that gave up is not waiting
                 }
-                let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
-                f.write_all(&lines)?;
-                f.sync_data()
-            })
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r)
-            .map_err(|e| e.to_string());
-            self.syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            for w in waiting {
-                let _ = w.send(written.clone()); // a caller that gave up is not waiting
             }
         }
     }
@@ -468,7 +491,7 @@ impl Connector for LogConnector {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     #[test]
@@ -521,6 +544,36 @@ mod tests {
             ..by_default
         };
         assert_eq!((workers(&file, &set), workers(&log, &set)), (3, 3));
+    }
+
+    #[test]
+    fn a_file_writer_dropped_before_it_ran_does_not_leave_later_deliveries_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("charges.jsonl");
+        let c = FileConnector::new(path.clone());
+        {
+            // A delivery queues its line and spawns the writer; the runtime
+            // then shuts down before the writer ever runs.
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            rt.block_on(async {
+                use std::future::Future;
+                let mut first = Box::pin(c.append_synced("first\n"));
+                std::future::poll_fn(|cx| {
+                    assert!(first.as_mut().poll(cx).is_pending());
+                    std::task::Poll::Ready(())
+                })
+                .await;
+            });
+        }
+        assert!(!c.shared.queued().writing, "a dropped writer clears `writing`");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(60), c.append_synced("second\n"))
+                .await
+                .expect("a later delivery starts a writer of its own")
+                .unwrap();
+        });
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "first\nsecond\n", "what was still queued is written too");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
