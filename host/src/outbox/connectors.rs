@@ -336,7 +336,10 @@ impl FileShared {
                 }
             }
         }
-        let stopped = Stopped { shared: self.clone(), finished: false };
+        let stopped = Stopped {
+            shared: self.clone(),
+            finished: false,
+        };
         async move {
             let mut stopped = stopped; // moved in whole: dropped with the task
             loop {
@@ -573,7 +576,11 @@ mod tests {
                 .expect("a later delivery starts a writer of its own")
                 .unwrap();
         });
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "first\nsecond\n", "what was still queued is written too");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "first\nsecond\n",
+            "what was still queued is written too"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

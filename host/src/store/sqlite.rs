@@ -303,7 +303,9 @@ fn row_get_on(conn: &Connection, table: &TableSchema, key: &[Value]) -> StoreRes
 }
 
 fn row_scan_on(conn: &Connection, table: &TableSchema, prefix: &[Value], limit: usize) -> StoreResult<Vec<Row>> {
-    let mut stmt = conn.prepare_cached(&select_sql(table, prefix.len(), Some(limit))).map_err(classify)?;
+    let mut stmt = conn
+        .prepare_cached(&select_sql(table, prefix.len(), Some(limit)))
+        .map_err(classify)?;
     let params: Vec<SqlValue> = prefix.iter().map(to_sql).collect();
     let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(classify)?;
     let mut out = Vec::new();
