@@ -190,3 +190,86 @@ async fn sqlite_a_database_from_before_failure_counts_is_upgraded_at_open() {
     use onceq::store::Store;
     assert_eq!(store.dead_letter_get("d").await.unwrap().unwrap().failures, 4);
 }
+
+/// A batch runs without savepoints first, and a message that writes
+/// nothing but its ack and key holds (a delivered intent's) never gets
+/// one. One whose hold fails after its ack landed (a trigger refuses it)
+/// must not keep that ack: the batch is committed again, the failed
+/// message stays on its queue, and the others land. One whose lease is
+/// gone fails before it writes, and its hold is not applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_batched_ack_without_writes_keeps_nothing_when_it_fails() {
+    use onceq::store::{SendOutcome, SendParams, StoreError};
+    let db = TestDb::with_options(suite::SCHEMA_SQLITE, batched());
+    let s = db.store.as_ref();
+    db.sql()
+        .execute_batch(
+            "CREATE TRIGGER refuse_hold BEFORE UPDATE ON onceq_dedup WHEN NEW.dedup_key = 'refused'
+             BEGIN SELECT RAISE(ABORT, 'hold refused'); END",
+        )
+        .unwrap();
+    let claim = |key: &str, window: Duration| SendParams {
+        dedup_key: Some(key.into()),
+        dedup_window: Some(window),
+        ..suite::send("k", key)
+    };
+    s.message_send(vec![
+        claim("held", Duration::from_millis(1)),
+        claim("refused", Duration::from_secs(3600)),
+        claim("not-held", Duration::from_millis(1)),
+    ])
+    .await
+    .unwrap();
+    s.message_send(["a", "b", "c", "d"].iter().map(|p| suite::send("q", p)).collect())
+        .await
+        .unwrap();
+    let mut ms = suite::lease(s, "q", 4, 60_000).await;
+    ms.sort_by(|x, y| x.message.payload.cmp(&y.message.payload));
+    assert_eq!(ms.len(), 4);
+    suite::ack(s, &ms[3].lease).await.unwrap(); // d's lease is gone
+
+    let ack_and_hold = |m: &onceq::store::LeasedMessage, key: &str| {
+        let (lease, key) = (m.lease.clone(), key.to_string());
+        async move {
+            let mut tx = s.transaction_begin().await.unwrap();
+            tx.message_ack(&lease);
+            tx.dedup_hold("k", &key, Duration::from_secs(3600));
+            tx.commit().await
+        }
+    };
+    let clean = async {
+        let mut tx = s.transaction_begin().await.unwrap();
+        tx.message_ack(&ms[2].lease);
+        tx.message_enqueue(suite::send("next", "from c"));
+        tx.commit().await
+    };
+    let (a, b, c, d) = tokio::join!(
+        ack_and_hold(&ms[0], "held"),
+        ack_and_hold(&ms[1], "refused"),
+        clean,
+        ack_and_hold(&ms[3], "not-held")
+    );
+    assert!(a.is_ok(), "{a:?}");
+    assert!(matches!(b, Err(StoreError::WriteRefused(_))), "the refused hold: {b:?}");
+    assert!(c.is_ok(), "{c:?}");
+    assert!(matches!(d, Err(StoreError::LeaseLost { .. })), "{d:?}");
+
+    assert_eq!(
+        suite::payloads(s, "q").await,
+        ["b"],
+        "b's ack went with its refused hold; a and c are acked"
+    );
+    assert_eq!(s.message_list(onceq::store::Queues::Named("next"), 10).await.unwrap().len(), 1);
+    // The claims of 1 ms are long expired: a's was held for an hour, d's
+    // was not.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let again = s
+        .message_send(vec![
+            claim("held", Duration::from_secs(1)),
+            claim("not-held", Duration::from_secs(1)),
+        ])
+        .await
+        .unwrap();
+    assert!(matches!(again[0], SendOutcome::Duplicate { .. }), "a's hold landed: {:?}", again[0]);
+    assert!(matches!(again[1], SendOutcome::Sent { .. }), "d's hold did not: {:?}", again[1]);
+}

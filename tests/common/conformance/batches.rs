@@ -76,16 +76,11 @@ pub async fn batched_commits_isolate_each_message(store: Arc<dyn Store>) {
     assert_eq!(v("lost"), None);
     assert_eq!(v("taken"), Some(Value::String("first".into())));
     assert_eq!(v("clean"), Some(Value::String("yes".into())));
-    let left: Vec<String> = s
-        .message_list(Queues::Named("b"), 10)
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
-        .collect();
-    let mut left = left;
-    left.sort();
-    assert_eq!(left, ["m1", "m3"], "the aborted and the refused message stay on the queue");
+    assert_eq!(
+        payloads(s, "b").await,
+        ["m1", "m3"],
+        "the aborted and the refused message stay on the queue"
+    );
 
     // The aborted increment, re-run on fresh data, makes the counter exact.
     let mut tx = s.transaction_begin().await.unwrap();
@@ -164,25 +159,10 @@ pub async fn batched_dedup_keys_and_scans(store: Arc<dyn Store>) {
         matches!(r2, Err(StoreError::Aborted(_))),
         "m2 scanned rows m0 wrote in the same batch: {r2:?}"
     );
-    let mut sent: Vec<String> = s
-        .message_list(Queues::Named("out"), 10)
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
-        .collect();
-    sent.sort();
     assert_eq!(
-        sent,
+        payloads(s, "out").await,
         ["k1 from m0", "k2 from m1"],
         "each key sent once, by its first claimer; nothing of m2"
     );
-    let left: Vec<String> = s
-        .message_list(Queues::Named("d"), 10)
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
-        .collect();
-    assert_eq!(left, ["m2"], "the aborted message stays on its queue");
+    assert_eq!(payloads(s, "d").await, ["m2"], "the aborted message stays on its queue");
 }

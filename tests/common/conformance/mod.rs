@@ -45,6 +45,19 @@ pub async fn ack(store: &dyn Store, l: &onceq::store::Lease) -> Result<(), Store
     tx.commit().await
 }
 
+/// The payloads waiting on `queue`, sorted.
+pub async fn payloads(store: &dyn Store, queue: &str) -> Vec<String> {
+    let mut left: Vec<String> = store
+        .message_list(Queues::Named(queue), 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
+        .collect();
+    left.sort();
+    left
+}
+
 fn table(store: &dyn Store, name: &str) -> TableSchema {
     store.schema().table(name).unwrap().clone()
 }
