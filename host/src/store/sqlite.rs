@@ -244,6 +244,17 @@ fn push_param(sql: &mut String, n: usize) {
     sql.push_str(&n.to_string());
 }
 
+/// `each` of `items` into `sql`, `sep` between them; `each` gets the
+/// item's position.
+fn push_joined<T>(sql: &mut String, items: impl IntoIterator<Item = T>, sep: &str, mut each: impl FnMut(&mut String, usize, T)) {
+    for (n, item) in items.into_iter().enumerate() {
+        if n > 0 {
+            sql.push_str(sep);
+        }
+        each(sql, n, item);
+    }
+}
+
 fn to_sql(v: &Value) -> SqlValue {
     match v {
         Value::Null => SqlValue::Null,
@@ -300,28 +311,20 @@ fn read_row(table: &TableSchema, r: &rusqlite::Row<'_>) -> StoreResult<Row> {
 fn select_sql(table: &TableSchema, key_len: usize, limit: Option<usize>) -> String {
     let mut sql = String::with_capacity(128);
     sql.push_str("SELECT ");
-    for (i, c) in table.columns.iter().enumerate() {
-        if i > 0 {
-            sql.push_str(", ");
-        }
-        push_quoted(&mut sql, &c.name);
-    }
+    push_joined(&mut sql, &table.columns, ", ", |sql, _, c| push_quoted(sql, &c.name));
     sql.push_str(" FROM ");
     push_quoted(&mut sql, &table.name);
-    for (i, k) in table.key_columns().take(key_len).enumerate() {
-        sql.push_str(if i == 0 { " WHERE " } else { " AND " });
-        push_quoted(&mut sql, &k.name);
-        sql.push_str(" = ");
-        push_param(&mut sql, i + 1);
+    if key_len > 0 {
+        sql.push_str(" WHERE ");
+        push_joined(&mut sql, table.key_columns().take(key_len), " AND ", |sql, n, k| {
+            push_quoted(sql, &k.name);
+            sql.push_str(" = ");
+            push_param(sql, n + 1);
+        });
     }
     if let Some(limit) = limit {
         sql.push_str(" ORDER BY ");
-        for (i, k) in table.key_columns().enumerate() {
-            if i > 0 {
-                sql.push_str(", ");
-            }
-            push_quoted(&mut sql, &k.name);
-        }
+        push_joined(&mut sql, table.key_columns(), ", ", |sql, _, k| push_quoted(sql, &k.name));
         sql.push_str(" LIMIT ");
         sql.push_str(&limit.to_string());
     }
@@ -365,14 +368,11 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
     let is_key = |i: usize| table.primary_key.contains(&i);
     // `"k1" = ?first AND "k2" = ?first+1 ...`
     let push_key_cond = |sql: &mut String, first: usize| {
-        for (n, &k) in table.primary_key.iter().enumerate() {
-            if n > 0 {
-                sql.push_str(" AND ");
-            }
+        push_joined(sql, &table.primary_key, " AND ", |sql, n, &k| {
             push_quoted(sql, name(k));
             sql.push_str(" = ");
             push_param(sql, first + n);
-        }
+        });
     };
     let key_vals = || -> Vec<SqlValue> {
         table
@@ -401,42 +401,24 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             sql.push_str("INSERT INTO ");
             push_quoted(&mut sql, &table.name);
             sql.push_str(" (");
-            for (n, (i, _)) in present.iter().enumerate() {
-                if n > 0 {
-                    sql.push_str(", ");
-                }
-                push_quoted(&mut sql, name(*i));
-            }
+            push_joined(&mut sql, &present, ", ", |sql, _, (i, _)| push_quoted(sql, name(*i)));
             sql.push_str(") VALUES (");
-            for n in 1..=present.len() {
-                if n > 1 {
-                    sql.push_str(", ");
-                }
-                push_param(&mut sql, n);
-            }
+            push_joined(&mut sql, &present, ", ", |sql, n, _| push_param(sql, n + 1));
             sql.push(')');
             if w.op == WriteOp::Upsert {
                 sql.push_str(" ON CONFLICT (");
-                for (n, &k) in table.primary_key.iter().enumerate() {
-                    if n > 0 {
-                        sql.push_str(", ");
-                    }
-                    push_quoted(&mut sql, name(k));
-                }
+                push_joined(&mut sql, &table.primary_key, ", ", |sql, _, &k| push_quoted(sql, name(k)));
                 sql.push(')');
                 let mut sets = present.iter().filter(|(i, _)| !is_key(*i)).peekable();
                 if sets.peek().is_none() {
                     sql.push_str(" DO NOTHING");
                 } else {
                     sql.push_str(" DO UPDATE SET ");
-                    for (n, (i, _)) in sets.enumerate() {
-                        if n > 0 {
-                            sql.push_str(", ");
-                        }
-                        push_quoted(&mut sql, name(*i));
+                    push_joined(&mut sql, sets, ", ", |sql, _, (i, _)| {
+                        push_quoted(sql, name(*i));
                         sql.push_str(" = excluded.");
-                        push_quoted(&mut sql, name(*i));
-                    }
+                        push_quoted(sql, name(*i));
+                    });
                 }
             }
             let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
@@ -456,14 +438,11 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             sql.push_str("UPDATE ");
             push_quoted(&mut sql, &table.name);
             sql.push_str(" SET ");
-            for (n, (i, _)) in sets.iter().enumerate() {
-                if n > 0 {
-                    sql.push_str(", ");
-                }
-                push_quoted(&mut sql, name(*i));
+            push_joined(&mut sql, &sets, ", ", |sql, n, (i, _)| {
+                push_quoted(sql, name(*i));
                 sql.push_str(" = ");
-                push_param(&mut sql, n + 1);
-            }
+                push_param(sql, n + 1);
+            });
             sql.push_str(" WHERE ");
             push_key_cond(&mut sql, sets.len() + 1);
             let mut params: Vec<SqlValue> = sets.iter().map(|(_, v)| to_sql(v)).collect();
