@@ -922,10 +922,8 @@ impl Inner {
     /// again alone, so each gets the verdict of its own effects.
     fn commit_batch(&self, conn: &mut Connection, batch: Vec<commit::Pending>) -> Vec<StoreResult<()>> {
         use std::sync::atomic::Ordering::Relaxed;
-        let savepoints = self.savepoint_batches.load(Relaxed) > 0;
-        if savepoints {
-            self.savepoint_batches.fetch_sub(1, Relaxed);
-        }
+        // One batch fewer with savepoints, never below zero.
+        let savepoints = self.savepoint_batches.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)).is_ok();
         let mut outcome = self.commit_together(conn, &batch, savepoints);
         if let Err(BatchLost::Unisolated(why)) = &outcome {
             tracing::debug!(
