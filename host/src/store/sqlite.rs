@@ -223,10 +223,13 @@ fn classify(e: rusqlite::Error) -> StoreError {
 }
 
 fn quote(ident: &str) -> String {
-    format!("\"{}\"", ident.replace('"', "\"\""))
+    let mut quoted = String::with_capacity(ident.len() + 2);
+    push_quoted(&mut quoted, ident);
+    quoted
 }
 
-/// [`quote`] into `sql`, where a statement is being built.
+/// An identifier, double-quoted (`"` doubled inside), into `sql`, where a
+/// statement is being built.
 fn push_quoted(sql: &mut String, ident: &str) {
     sql.push('"');
     for c in ident.chars() {
@@ -946,7 +949,7 @@ impl Inner {
     }
 
     /// The batch in one transaction; with `savepoints`, one per message
-    /// that writes or sends (see [`Self::commit_batch`]).
+    /// (see [`Self::commit_batch`]).
     fn commit_together(
         &self,
         conn: &mut Connection,
@@ -974,13 +977,7 @@ impl Inner {
                 .map_err(|e| BatchLost::Whole(classify(e)))
         };
         for p in batch {
-            // A message that writes nothing but its ack and its key holds
-            // (a delivered intent's, say) gets no savepoint even in a
-            // batch that has them: it fails before its first write (a
-            // read changed, the lease is lost), or only its messages alone
-            // can tell (below).
-            let isolated = savepoints && !(p.writes.is_empty() && p.sends.is_empty());
-            let changed_before = if isolated {
+            let changed_before = if savepoints {
                 run("SAVEPOINT onceq_message")?;
                 0
             } else {
@@ -1000,7 +997,7 @@ impl Inner {
                     r.err().unwrap_or_else(|| StoreError::Permanent("the transaction ended".into())),
                 ));
             }
-            match (&r, isolated) {
+            match (&r, savepoints) {
                 (Ok(()), true) => run("RELEASE onceq_message")?,
                 (Err(_), true) => {
                     run("ROLLBACK TO onceq_message")?;
@@ -1012,8 +1009,7 @@ impl Inner {
                 (Err(_), false) if tx.total_changes() == changed_before => {}
                 // Its ack or a write landed before it failed, with nothing
                 // to roll back to.
-                (Err(e), false) if !savepoints => return Err(BatchLost::Unisolated(e.clone())),
-                (Err(e), false) => return Err(BatchLost::Whole(e.clone())),
+                (Err(e), false) => return Err(BatchLost::Unisolated(e.clone())),
             }
             results.push(r);
         }
