@@ -984,3 +984,28 @@ fn try_and_test_report_instructions_and_a_case_can_cap_them() {
     assert!(out.contains("instructions, more than max_instructions = 10"), "{out}");
     assert!(out.contains("2 cases: 1 passed, 1 failed"), "{out}");
 }
+
+/// The JavaScript SDK warms the engine when the component is built
+/// (componentize-js snapshots it after the module ran): the builtins of
+/// the handler's global and of the generated bindings' own global are made
+/// once there, not in every message's fresh instance. One payments message
+/// then runs about 2.5 million instructions; it ran 3.5 million before
+/// (docs/src/benchmarks.md). Instruction counts do not depend on the
+/// machine or its load.
+#[test]
+fn a_javascript_message_does_not_pay_for_the_engine_s_builtins() {
+    let js = repo_root().join("guest-examples/target/js/payments.wasm");
+    assert!(js.exists(), "{} is missing: run `make guests`", js.display());
+    let p = Project::new("");
+    p.ok(&["init"]);
+    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&p.ok(&["try", js.to_str().unwrap(), "--message", "order.json", "--id", "m-1"])).unwrap();
+    assert_eq!(report["outcome"], "ok", "{report}");
+    assert_eq!(report["effects"].as_array().map(Vec::len), Some(3), "{report}");
+    let ran = report["instructions"].as_u64().expect("try reports instructions");
+    assert!(
+        (1_000_000..3_000_000).contains(&ran),
+        "a JavaScript payments message ran {ran} instructions: the SDK's build-time warm-up (onceq-guest.js) no longer takes effect"
+    );
+}

@@ -323,3 +323,52 @@ export function defineHandler(handle) {
     },
   };
 }
+
+// Warm-up, run once when the component is built. componentize-js
+// snapshots the engine after this module ran, and every message starts
+// from that snapshot in a fresh instance. SpiderMonkey makes a builtin
+// (Promise and async functions, BigInt, DataView, the iterators...) the
+// first time a global's code uses it, and copies a self-hosted function
+// into a global on its first call. Left to the messages, every instance
+// would make the same ones again: without this, an empty handler ran 1.1
+// million instructions a message, 0.42 million with it
+// (docs/src/benchmarks.md). Only builtins and the SDK's pure helpers run
+// here: the host's imports are not there at build time.
+(function warmUp() {
+  const parsed = JSON.parse(JSON.stringify({ a: [1, 'x', null, true], b: { c: 2.5 } }));
+  for (const _ of new Map([[0, parsed]]));
+  Object.fromEntries(Object.entries(parsed).map(([k, v]) => [k, v]));
+  Object.keys(parsed).sort();
+  `${'x'.split('\n').map((l) => l.replace(/a/g, 'b')).filter((l) => !l.includes('y')).join('\n')}`;
+  decoder.decode(encoder.encode('x'));
+  void new Error('x').stack;
+  stableJson({ b: [1, { d: 1 }], a: 'x' });
+  for (const v of [1, 1.5, 'x', true, null, new Uint8Array(1), new Timestamp(1), new Json({ a: 1 }), new Date(0)]) value(v);
+  rowObject([{ name: 'a', value: { tag: 'int64', val: 1n } }]);
+
+  // The bindings componentize-js generates run in a global of their own,
+  // where the imports are made: they decode the message and call the
+  // handler from an async function, then encode the effects with BigInt,
+  // DataView and Uint8Array of that global. Warmed through that global's
+  // Function constructor. If a later componentize-js lays its bindings out
+  // otherwise, they stay cold and nothing else changes.
+  try {
+    const bindings = hostLog.constructor('return this')();
+    if (bindings === globalThis || typeof bindings?.eval !== 'function') return;
+    bindings.eval(`(() => {
+      const dv = new DataView(new ArrayBuffer(64));
+      dv.setUint32(0, 1, true); dv.getUint32(0, true); dv.setInt8(4, 0, true);
+      dv.setBigInt64(8, 1n, true); dv.getBigInt64(8, true); dv.setFloat64(16, 1.5, true);
+      const bytes = new Uint8Array(dv.buffer.slice(0, 8));
+      const m = new Map([[1, bytes]]); m.get(1); m.delete(1);
+      BigInt.asUintN(64, BigInt(1)); BigInt.asIntN(64, BigInt(-1));
+      const list = []; for (let i = 0; i < 2; i++) list.push([String(i), 'x']);
+      for (const e of list) void e;
+      try { throw new TypeError('x'); } catch (e) { void (e instanceof TypeError); }
+      void (async () => ({ tag: 'ok', val: list }))();
+      void (async () => { await 0; return list; })();
+    })()`);
+  } catch {
+    // Left cold: slower, not wrong.
+  }
+})();
