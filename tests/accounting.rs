@@ -212,6 +212,15 @@ async fn a_poison_message_that_ends_the_batch_fails_alone() {
             assert_eq!(d.failures, 3, "{kind}: {}", d.reason);
         }
         assert_eq!(db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
+        let splits = db.store.commit_stats().map_or(0, |s| s.split_batches);
+        match kind {
+            // The transaction is gone with the statement: the batch is
+            // committed again one message at a time, and counted.
+            "rollback" | "strict" => assert!(splits > 0, "{kind}: batches split: {splits}"),
+            // Only the statement failed: the batch runs again with a
+            // savepoint per message, as one transaction.
+            _ => assert_eq!(splits, 0, "{kind}: batches split: {splits}"),
+        }
     }
 }
 

@@ -268,6 +268,11 @@ tables = ["tally"]
         "the group commit's counts move: {batches} batches, {committed} messages"
     );
     assert!(committed >= batches, "a batch holds at least one message");
+    assert_eq!(
+        m.get("onceq_commit_split_batches_total"),
+        Some(&0.0),
+        "no write was refused, so no batch was committed again message by message"
+    );
     let (_, stats) = host.get("/v1/stats").await;
     let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
     assert_eq!(stats["active_versions"]["tally"], h2.as_str());

@@ -754,6 +754,13 @@ impl prometheus_client::collector::Collector for Collector {
                 MetricType::Counter,
             )?;
             ConstCounter::new(stats.messages).encode(m)?;
+            let m = e.encode_descriptor(
+                "onceq_commit_split_batches",
+                "Batches that failed as a whole and were committed again one message at a time (a write the database refused; on SQLite only one that ends the transaction, a trigger's RAISE(ROLLBACK) or an ON CONFLICT ROLLBACK clause)",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(stats.split_batches).encode(m)?;
         }
         {
             let mut m = e.encode_descriptor(

@@ -393,8 +393,9 @@ impl Default for CommitOptions {
     }
 }
 
-/// What a store's group commit did so far (`onceq_commit_batches` and
-/// `onceq_commit_messages` on the admin API's metrics).
+/// What a store's group commit did so far (`onceq_commit_batches`,
+/// `onceq_commit_messages` and `onceq_commit_split_batches` on the admin
+/// API's metrics).
 #[derive(Debug, Clone)]
 pub struct CommitStats {
     /// Batches committed (each one database transaction).
@@ -402,7 +403,9 @@ pub struct CommitStats {
     /// Messages committed in them.
     pub messages: u64,
     /// Batches that failed as a whole and were committed one message at a
-    /// time (Spanner: a write the database refused fails the whole commit).
+    /// time (Spanner: a write the database refused fails the whole commit;
+    /// SQLite: a statement that ended the transaction, or a refused commit).
+    /// `onceq_commit_split_batches` on the admin API's metrics.
     pub split_batches: u64,
     /// Spanner: handlers' point reads, and the read calls that served them
     /// (reads of concurrent messages are coalesced, `store/spanner/reads.rs`).

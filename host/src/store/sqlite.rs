@@ -201,6 +201,9 @@ struct Inner {
     /// Batches still to run with a savepoint per message, after one
     /// without them had to be redone (see [`Inner::commit_batch`]).
     savepoint_batches: std::sync::atomic::AtomicU32,
+    /// Batches that failed as a whole and were committed again one message
+    /// at a time (`CommitStats::split_batches`).
+    splits: std::sync::atomic::AtomicU64,
 }
 
 /// The SQLite store.
@@ -751,6 +754,7 @@ impl SqliteStore {
             group: Arc::new(commit::Group::new(options.commit, Arc::new(SqliteBatch(weak.clone())))),
             options: options.clone(),
             savepoint_batches: std::sync::atomic::AtomicU32::new(0),
+            splits: std::sync::atomic::AtomicU64::new(0),
         });
         Ok(SqliteStore { inner })
     }
@@ -943,6 +947,7 @@ impl Inner {
                     messages = batch.len(),
                     "batch commit failed as a whole ({why}); committing each message alone"
                 );
+                self.splits.fetch_add(1, Relaxed);
                 batch.iter().map(|p| self.commit_alone(conn, p)).collect()
             }
         }
@@ -1151,7 +1156,9 @@ impl Store for SqliteStore {
     }
 
     fn commit_stats(&self) -> Option<commit::CommitStats> {
-        Some(self.inner.group.stats())
+        let mut stats = self.inner.group.stats();
+        stats.split_batches = self.inner.splits.load(std::sync::atomic::Ordering::Relaxed);
+        Some(stats)
     }
 
     fn handoff(&self) -> bool {
