@@ -224,15 +224,15 @@ async fn environment_is_empty_and_each_message_gets_a_fresh_instance() {
     let h = wasm(&rt, "chaos", HandlerLimits::default());
     let (env, _) = call(&db, &h, &msg("m", &chaos("env")), &["chaos_log"]).await;
     assert!(format!("{:?}", env.unwrap()).contains("vars=[] args=[]"));
-    // Both ways of resetting a finished instance's memory (dirty-page scan,
-    // the default, and wholesale: `runtime.reset_dirty_pages = false`).
-    let wholesale = Runtime::new(RuntimeConfig {
+    // Both ways of resetting a finished instance's memory (wholesale, the
+    // default, and the dirty-page scan: `runtime.reset_dirty_pages = true`).
+    let scan = Runtime::new(RuntimeConfig {
         max_instances: 4,
-        reset_dirty_pages: false,
+        reset_dirty_pages: true,
         ..Default::default()
     })
     .unwrap();
-    let h2 = wasm(&wholesale, "chaos", HandlerLimits::default());
+    let h2 = wasm(&scan, "chaos", HandlerLimits::default());
     for h in [&h, &h2] {
         for i in 0..3 {
             let (r, _) = call(&db, h, &msg(&format!("s{i}"), &chaos("static")), &["chaos_log"]).await;

@@ -237,7 +237,8 @@ fn the_python_and_javascript_inventory_ports_behave_like_the_rust_one() {
 
 /// The ordinary clock and randomness APIs of a language, through its SDK
 /// and build: the message's logical time, randomness seeded per message;
-/// an uncaught exception is a crash whose reason names it.
+/// no state carried between messages; an uncaught exception is a crash
+/// whose reason names it.
 fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     let kit = cached_kit();
     let component = kit.load(port(lang, "fixtures/sdk")).unwrap();
@@ -264,6 +265,13 @@ fn clock_and_randomness_are_the_message_s(lang: &str, bug: &str) {
     for key in ["random", "crypto"] {
         assert_ne!(second[key], first[key], "{lang}: {key} is seeded per message");
     }
+    // A module-level counter the handler bumps: every message starts from
+    // the module as built, in a fresh instance.
+    assert_eq!(
+        (first["calls"].as_i64(), second["calls"].as_i64()),
+        (Some(1), Some(1)),
+        "{lang}: state carried from one message to the next"
+    );
     let failed = kit.run(&component, &db, &kit.message("clock", r#"{"throw": true}"#));
     // A crash, named as one (not a retry the handler asked for).
     assert_eq!(failed.outcome, "failed", "{lang}: {failed:?}");

@@ -64,12 +64,18 @@ pub struct RuntimeConfig {
     /// used entries are removed past it.
     pub cache_max_bytes: u64,
     /// How a finished instance's memory is made fresh for the next one.
-    /// `true` (default): find the pages it dirtied (Linux's PAGEMAP_SCAN,
-    /// where the kernel has it) and reset only those; best for the large
-    /// JavaScript and Python components, which touch megabytes. `false`:
-    /// reset the first [`KEEP_RESIDENT_SMALL`] bytes wholesale and release
-    /// the rest; about 1 µs cheaper per message for small Rust components,
-    /// but 1.5-2.5x slower for JS/Python ones (`make bench` measures both).
+    /// `false` (default): the first [`KEEP_RESIDENT_WHOLESALE`] bytes (all
+    /// of a guest's memory, for the components measured) are copied back
+    /// from the component's image or zeroed, and stay mapped; the rest is
+    /// released. `true`: the pages the instance dirtied are found with
+    /// Linux's PAGEMAP_SCAN and only those reset, up to [`KEEP_RESIDENT`];
+    /// wasmtime 48 stops the scan after 32 runs of dirty pages and
+    /// releases everything past them, so a JavaScript or Python instance,
+    /// which dirties pages all over its heap, faults them in again on every
+    /// message, each fault a TLB shootdown across the host's threads.
+    /// Through `onceq run`, the scan made Python 2.5x and JavaScript 1.1x
+    /// slower and Rust no faster; on one thread alone it dispatches faster
+    /// (docs/src/benchmarks.md has both).
     pub reset_dirty_pages: bool,
     /// Count the instructions every call runs (wasmtime fuel), for
     /// `queue.max_instructions`, the per-version instruction metrics and
@@ -83,8 +89,12 @@ pub struct RuntimeConfig {
 /// Memory kept mapped between instances with `reset_dirty_pages` (only
 /// dirtied pages in it are reset).
 pub const KEEP_RESIDENT: usize = 1 << 20;
-/// Memory kept mapped, and reset wholesale, without `reset_dirty_pages`.
-pub const KEEP_RESIDENT_SMALL: usize = 512 << 10;
+/// Memory kept mapped, and reset wholesale, without `reset_dirty_pages`
+/// (the default): more than the whole memory of the JavaScript and Python
+/// components measured, so their pages stay mapped between messages. A
+/// reset copies or zeroes the guest's memory up to this size (a Rust
+/// guest's is about a megabyte), not this size.
+pub const KEEP_RESIDENT_WHOLESALE: usize = 32 << 20;
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
@@ -93,7 +103,7 @@ impl Default for RuntimeConfig {
             max_memory: 64 << 20,
             cache_dir: None,
             cache_max_bytes: cache::DEFAULT_MAX_BYTES,
-            reset_dirty_pages: true,
+            reset_dirty_pages: false,
             count_instructions: true,
         }
     }
@@ -256,7 +266,7 @@ impl Runtime {
             pool.linear_memory_keep_resident(KEEP_RESIDENT)
                 .pagemap_scan(wasmtime::Enabled::Auto);
         } else {
-            pool.linear_memory_keep_resident(KEEP_RESIDENT_SMALL)
+            pool.linear_memory_keep_resident(KEEP_RESIDENT_WHOLESALE)
                 .pagemap_scan(wasmtime::Enabled::No);
         }
         let mut cfg = Config::new();
