@@ -1259,8 +1259,8 @@ fn main() {
         let (n50, n99) = dispatch(native.as_ref(), schema.clone(), calls).await;
         // The same on an engine that scans for dirty pages instead of
         // resetting memory wholesale (`runtime.reset_dirty_pages = true`).
-        let (_, small_wasm, _small_engine) = load_on_new_engine(&component, None, !reset_dirty_pages);
-        let (s50, s99) = warm_dispatch(&small_wasm, schema.clone(), calls).await;
+        let (_, other_wasm, _other_engine) = load_on_new_engine(&component, None, !reset_dirty_pages);
+        let (s50, s99) = warm_dispatch(&other_wasm, schema.clone(), calls).await;
 
         // Interleave the configurations over a few rounds and keep each
         // one's best: on a noisy 2-core VM the disk and the neighbours drift.

@@ -261,6 +261,20 @@ fn push_joined<T>(sql: &mut String, items: impl IntoIterator<Item = T>, sep: &st
     }
 }
 
+/// The columns' names, quoted, comma-separated, into `sql`.
+fn push_names<'a>(sql: &mut String, columns: impl IntoIterator<Item = &'a ColumnSchema>) {
+    push_joined(sql, columns, ", ", |sql, _, c| push_quoted(sql, &c.name));
+}
+
+/// `"k1" = ?first AND "k2" = ?first+1 ...` for `keys`, into `sql`.
+fn push_key_cond<'a>(sql: &mut String, keys: impl IntoIterator<Item = &'a ColumnSchema>, first: usize) {
+    push_joined(sql, keys, " AND ", |sql, n, k| {
+        push_quoted(sql, &k.name);
+        sql.push_str(" = ");
+        push_param(sql, first + n);
+    });
+}
+
 fn to_sql(v: &Value) -> SqlValue {
     match v {
         Value::Null => SqlValue::Null,
@@ -317,20 +331,16 @@ fn read_row(table: &TableSchema, r: &rusqlite::Row<'_>) -> StoreResult<Row> {
 fn select_sql(table: &TableSchema, key_len: usize, limit: Option<usize>) -> String {
     let mut sql = String::with_capacity(128);
     sql.push_str("SELECT ");
-    push_joined(&mut sql, &table.columns, ", ", |sql, _, c| push_quoted(sql, &c.name));
+    push_names(&mut sql, &table.columns);
     sql.push_str(" FROM ");
     push_quoted(&mut sql, &table.name);
     if key_len > 0 {
         sql.push_str(" WHERE ");
-        push_joined(&mut sql, table.key_columns().take(key_len), " AND ", |sql, n, k| {
-            push_quoted(sql, &k.name);
-            sql.push_str(" = ");
-            push_param(sql, n + 1);
-        });
+        push_key_cond(&mut sql, table.key_columns().take(key_len), 1);
     }
     if let Some(limit) = limit {
         sql.push_str(" ORDER BY ");
-        push_joined(&mut sql, table.key_columns(), ", ", |sql, _, k| push_quoted(sql, &k.name));
+        push_names(&mut sql, table.key_columns());
         sql.push_str(" LIMIT ");
         sql.push_str(&limit.to_string());
     }
@@ -372,14 +382,6 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
         .collect();
     let name = |i: usize| table.columns.get(i).map_or("", |c| c.name.as_str());
     let is_key = |i: usize| table.primary_key.contains(&i);
-    // `"k1" = ?first AND "k2" = ?first+1 ...`
-    let push_key_cond = |sql: &mut String, first: usize| {
-        push_joined(sql, &table.primary_key, " AND ", |sql, n, &k| {
-            push_quoted(sql, name(k));
-            sql.push_str(" = ");
-            push_param(sql, first + n);
-        });
-    };
     let key_vals = || -> Vec<SqlValue> {
         table
             .primary_key
@@ -413,7 +415,7 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             sql.push(')');
             if w.op == WriteOp::Upsert {
                 sql.push_str(" ON CONFLICT (");
-                push_joined(&mut sql, &table.primary_key, ", ", |sql, _, &k| push_quoted(sql, name(k)));
+                push_names(&mut sql, table.key_columns());
                 sql.push(')');
                 let mut sets = present.iter().filter(|(i, _)| !is_key(*i)).peekable();
                 if sets.peek().is_none() {
@@ -450,7 +452,7 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
                 push_param(sql, n + 1);
             });
             sql.push_str(" WHERE ");
-            push_key_cond(&mut sql, sets.len() + 1);
+            push_key_cond(&mut sql, table.key_columns(), sets.len() + 1);
             let mut params: Vec<SqlValue> = sets.iter().map(|(_, v)| to_sql(v)).collect();
             params.extend(key_vals());
             let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
@@ -467,7 +469,7 @@ fn apply_write(conn: &Connection, table: &TableSchema, w: &ValidWrite) -> StoreR
             sql.push_str("DELETE FROM ");
             push_quoted(&mut sql, &table.name);
             sql.push_str(" WHERE ");
-            push_key_cond(&mut sql, 1);
+            push_key_cond(&mut sql, table.key_columns(), 1);
             let mut stmt = conn.prepare_cached(&sql).map_err(classify)?;
             stmt.execute(rusqlite::params_from_iter(key_vals())).map_err(classify)?;
         }
