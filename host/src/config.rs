@@ -1047,9 +1047,9 @@ mod tests {
             (7, Duration::from_millis(250), 16 << 20)
         );
         assert!(cfg.queue("c").unwrap_err().to_string().contains("queues: a, b"));
-        assert!(!cfg.runtime.reset_dirty_pages, "wholesale reset by default");
-        let scan = Config::parse("store = \"x.db\"\n[runtime]\nreset_dirty_pages = true\n", Path::new("/base")).unwrap();
-        assert!(scan.runtime.reset_dirty_pages);
+        assert!(cfg.runtime.reset_dirty_pages, "dirty pages scanned by default");
+        let wholesale = Config::parse("store = \"x.db\"\n[runtime]\nreset_dirty_pages = false\n", Path::new("/base")).unwrap();
+        assert!(!wholesale.runtime.reset_dirty_pages);
     }
 
     #[test]

@@ -64,18 +64,20 @@ pub struct RuntimeConfig {
     /// used entries are removed past it.
     pub cache_max_bytes: u64,
     /// How a finished instance's memory is made fresh for the next one.
-    /// `false` (default): the first [`KEEP_RESIDENT_WHOLESALE`] bytes (all
-    /// of a guest's memory, for the components measured) are copied back
-    /// from the component's image or zeroed, and stay mapped; the rest is
-    /// released. `true`: the pages the instance dirtied are found with
-    /// Linux's PAGEMAP_SCAN and only those reset, up to [`KEEP_RESIDENT`];
-    /// wasmtime 48 stops the scan after 32 runs of dirty pages and
-    /// releases everything past them, so a JavaScript or Python instance,
-    /// which dirties pages all over its heap, faults them in again on every
-    /// message, each fault a TLB shootdown across the host's threads.
-    /// Through `onceq run`, the scan made Python 2.5x and JavaScript 1.1x
-    /// slower and Rust no faster; on one thread alone it dispatches faster
-    /// (docs/src/benchmarks.md has both).
+    /// `true` (default): the pages the instance dirtied are found with
+    /// Linux's PAGEMAP_SCAN and only those copied back from the
+    /// component's image or zeroed, up to [`KEEP_RESIDENT`] of them; the
+    /// rest stay mapped, or are released past that budget. Where the scan
+    /// is not available (not Linux, or a kernel before 6.7) memory is reset
+    /// as with `false`.
+    /// `false`: the first [`KEEP_RESIDENT_WHOLESALE`] bytes (all of a
+    /// guest's memory, for the components measured) are copied back or
+    /// zeroed whether dirtied or not, and stay mapped. Through `onceq run`
+    /// the scan made JavaScript 2.0x and Python 1.65x faster than the
+    /// wholesale reset, Rust the same (docs/src/benchmarks.md). It needs
+    /// wasmtime 48.0.11: 48.0.8 stopped the scan after 32 runs of dirty
+    /// pages and released everything past them, so interpreters faulted
+    /// their heap in again on every message.
     pub reset_dirty_pages: bool,
     /// Count the instructions every call runs (wasmtime fuel), for
     /// `queue.max_instructions`, the per-version instruction metrics and
@@ -86,11 +88,13 @@ pub struct RuntimeConfig {
     pub count_instructions: bool,
 }
 
-/// Memory kept mapped between instances with `reset_dirty_pages` (only
-/// dirtied pages in it are reset).
+/// Dirtied memory reset in place (and kept mapped) between instances with
+/// `reset_dirty_pages`, the default; dirtied pages past it are released.
+/// The payments components dirty less: Python and JavaScript ran as fast
+/// through `onceq run` with 1, 8 and 32 MiB, with the least memory at 1.
 pub const KEEP_RESIDENT: usize = 1 << 20;
-/// Memory kept mapped, and reset wholesale, without `reset_dirty_pages`
-/// (the default): more than the whole memory of the JavaScript and Python
+/// Memory kept mapped, and reset wholesale, with `reset_dirty_pages =
+/// false`: more than the whole memory of the JavaScript and Python
 /// components measured, so their pages stay mapped between messages. A
 /// reset copies or zeroes the guest's memory up to this size (a Rust
 /// guest's is about a megabyte), not this size.
@@ -103,7 +107,7 @@ impl Default for RuntimeConfig {
             max_memory: 64 << 20,
             cache_dir: None,
             cache_max_bytes: cache::DEFAULT_MAX_BYTES,
-            reset_dirty_pages: false,
+            reset_dirty_pages: true,
             count_instructions: true,
         }
     }
@@ -262,9 +266,18 @@ impl Runtime {
             .max_tables_per_component(64)
             .max_memory_size(config.max_memory)
             .table_keep_resident(1 << 16);
-        if config.reset_dirty_pages {
-            pool.linear_memory_keep_resident(KEEP_RESIDENT)
-                .pagemap_scan(wasmtime::Enabled::Auto);
+        let scan = config.reset_dirty_pages && PoolingAllocationConfig::is_pagemap_scan_available();
+        if config.reset_dirty_pages && !scan {
+            // Without the scan wasmtime would reset the first
+            // KEEP_RESIDENT bytes and release the rest, which an
+            // interpreter faults in again on every message.
+            tracing::info!(
+                "runtime.reset_dirty_pages: this kernel has no PAGEMAP_SCAN (Linux 6.7 or later); \
+                 memory is reset wholesale"
+            );
+        }
+        if scan {
+            pool.linear_memory_keep_resident(KEEP_RESIDENT).pagemap_scan(wasmtime::Enabled::Yes);
         } else {
             pool.linear_memory_keep_resident(KEEP_RESIDENT_WHOLESALE)
                 .pagemap_scan(wasmtime::Enabled::No);
