@@ -1261,7 +1261,7 @@ fn main() {
         // the dirty-page scan (or the scan, with
         // ONCEQ_BENCH_RESET_DIRTY_PAGES=false).
         let (_, other_wasm, _other_engine) = load_on_new_engine(&component, None, !reset_dirty_pages);
-        let (s50, s99) = warm_dispatch(&other_wasm, schema.clone(), calls).await;
+        let (o50, o99) = warm_dispatch(&other_wasm, schema.clone(), calls).await;
 
         // Interleave the configurations over a few rounds and keep each
         // one's best: on a noisy 2-core VM the disk and the neighbours drift.
@@ -1295,8 +1295,8 @@ fn main() {
         println!(
             "| Wasm payments, `runtime.reset_dirty_pages = {}` | {:.1} µs | {:.1} µs |",
             !reset_dirty_pages,
-            s50 as f64 / 1000.0,
-            s99 as f64 / 1000.0
+            o50 as f64 / 1000.0,
+            o99 as f64 / 1000.0
         );
         println!(
             "| native payments | {:.1} µs | {:.1} µs |\n",
@@ -1333,7 +1333,7 @@ fn main() {
         println!(
             "| dispatch median, `runtime.reset_dirty_pages = {}` | {:.1} µs | <= 10 µs |",
             !reset_dirty_pages,
-            s50 as f64 / 1000.0
+            o50 as f64 / 1000.0
         );
 
         group_commit(dir.path(), wasm.clone(), n).await;
