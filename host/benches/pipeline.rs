@@ -1465,15 +1465,16 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
         std::fs::write(work.join("onceq.toml"), config).unwrap();
         let started = Instant::now();
         let mut child = until_empty(&work).spawn().unwrap();
-        // What it wrote, read until it exits (the last 20 ms are not seen:
-        // a few pages in a run of thousands of messages).
+        // What it wrote, read until it exits (the last 5 ms are not seen:
+        // a few pages in a run of thousands of messages). Polled every 5 ms:
+        // the exit is seen up to a poll late, and the run is timed to it.
         let mut written = 0;
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {
                 break status;
             }
             written = written_bytes(child.id()).unwrap_or(written);
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(5));
         };
         let secs = started.elapsed().as_secs_f64();
         assert!(status.success(), "onceq run failed");

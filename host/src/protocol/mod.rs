@@ -277,8 +277,9 @@ pub const UNTIL_EMPTY_HORIZON: Duration = Duration::from_secs(10);
 pub const UNTIL_EMPTY_POLL: Duration = Duration::from_millis(500);
 
 /// The first pause between two of those checks, doubled up to
-/// [`UNTIL_EMPTY_POLL`].
-pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(50);
+/// [`UNTIL_EMPTY_POLL`]: a run's last batches are usually settled within
+/// a few of them.
+pub const UNTIL_EMPTY_MIN_GAP: Duration = Duration::from_millis(5);
 
 /// How often a host reads which queues are paused: a pause made elsewhere
 /// stops its leases within this.
@@ -393,9 +394,13 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
                     }
                     // At most one check per gap, however many workers report an
                     // empty queue meanwhile; the gap grows while other hosts
-                    // still hold the last messages.
-                    sleep_or_shutdown(&mut rx, gap).await;
+                    // (or this host's last batches) still hold the last
+                    // messages. Without a check there is nothing to space
+                    // out: the next idle worker is waited for at once (a
+                    // fixed 50 ms pause here was 40-50 ms of every drained
+                    // run's exit, 3% of 20,000 messages through the CLI).
                     if asked {
+                        sleep_or_shutdown(&mut rx, gap).await;
                         gap = (gap * 2).min(UNTIL_EMPTY_POLL);
                     }
                     tokio::select! {

@@ -1224,7 +1224,7 @@ impl Store for SqliteStore {
                 rows.collect::<Result<Vec<_>, _>>().map_err(classify)
             })
             .await?;
-        leased.sort_by_key(|m| m.message.enqueued_at);
+        super::oldest_first(&mut leased);
         Ok(leased)
     }
 

@@ -118,7 +118,7 @@ impl SpannerStore {
             }
             tracing::trace!(queue = %p.queue, lost, asked, "lease candidates taken by another leaser; reading again");
         }
-        out.sort_by_key(|m| m.message.enqueued_at);
+        crate::store::oldest_first(&mut out);
         Ok(out)
     }
 
