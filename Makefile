@@ -169,6 +169,8 @@ $(MDBOOK):
 
 ## lint: clippy (unwrap/expect/panic denied outside tests) and rustfmt
 lint:
+	$(CARGO) fmt --check
+	cd $(GUEST_DIR) && $(CARGO) fmt --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 	cd $(GUEST_DIR) && $(CARGO) clippy --release --target $(GUEST_TARGET) -- -D warnings
 
@@ -178,6 +180,7 @@ emulator:
 
 fmt:
 	$(CARGO) fmt --all
+	cd $(GUEST_DIR) && $(CARGO) fmt --all
 
 clean:
 	$(CARGO) clean

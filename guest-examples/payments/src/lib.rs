@@ -58,11 +58,7 @@ impl Handler for Payments {
                 ("updated_at", now),
             ],
         );
-        ctx.intent(
-            "charge",
-            format!("charge-{}", order.order_id),
-            &order,
-        );
+        ctx.intent("charge", format!("charge-{}", order.order_id), &order);
         Ok(())
     }
 }

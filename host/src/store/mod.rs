@@ -178,9 +178,7 @@ pub struct LeasedMessage {
 /// stable sort: that one allocates scratch space for a 64-message batch,
 /// which was 2% of the workers' samples through the CLI.
 pub(crate) fn oldest_first(leased: &mut [LeasedMessage]) {
-    leased.sort_unstable_by(|a, b| {
-        (a.message.enqueued_at, &a.message.id).cmp(&(b.message.enqueued_at, &b.message.id))
-    });
+    leased.sort_unstable_by(|a, b| (a.message.enqueued_at, &a.message.id).cmp(&(b.message.enqueued_at, &b.message.id)));
 }
 
 /// Parameters of a send (a producer's message, or a handler's follow-up).
