@@ -976,12 +976,25 @@ impl Client {
             Some(t) => req.bearer_auth(t),
             None => req,
         };
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| anyhow::anyhow!("the admin API at {} did not answer (is `onceq run` running?): {e}", self.base))?;
+        let resp = req.send().await.map_err(|e| {
+            if e.is_connect() || e.is_timeout() {
+                anyhow::anyhow!("the admin API at {} did not answer (is `onceq run` running?): {e}", self.base)
+            } else {
+                // The host refuses a body over its limit as soon as it is
+                // passed and closes the connection: a client still sending
+                // may see the close before the 413.
+                anyhow::anyhow!(
+                    "the admin API at {} closed the connection before it answered (an upload larger than the host's \
+                     admin.max_upload is refused this way): {e}",
+                    self.base
+                )
+            }
+        })?;
         let status = resp.status();
         let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+        if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
+            anyhow::bail!("the upload is larger than the host's admin.max_upload (HTTP {status})");
+        }
         if !status.is_success() {
             let msg = body["error"].as_str().unwrap_or("no details");
             if status == reqwest::StatusCode::UNAUTHORIZED {
