@@ -976,8 +976,12 @@ impl Client {
             Some(t) => req.bearer_auth(t),
             None => req,
         };
-        let resp = req.send().await.map_err(|e| {
-            if e.is_connect() || e.is_timeout() {
+        let req = req
+            .build()
+            .map_err(|e| anyhow::anyhow!("building a request to the admin API at {}: {e}", self.base))?;
+        let upload = req.body().is_some();
+        let resp = self.http.execute(req).await.map_err(|e| {
+            if e.is_connect() || e.is_timeout() || !upload {
                 anyhow::anyhow!("the admin API at {} did not answer (is `onceq run` running?): {e}", self.base)
             } else {
                 // The host refuses a body over its limit as soon as it is
