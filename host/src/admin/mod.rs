@@ -995,10 +995,10 @@ impl Client {
             }
         })?;
         let status = resp.status();
-        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
         if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
             anyhow::bail!("the upload is larger than the host's admin.max_upload (HTTP {status})");
         }
+        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
         if !status.is_success() {
             let msg = body["error"].as_str().unwrap_or("no details");
             if status == reqwest::StatusCode::UNAUTHORIZED {

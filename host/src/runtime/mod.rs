@@ -272,7 +272,7 @@ impl Runtime {
             // KEEP_RESIDENT bytes and release the rest, which an
             // interpreter faults in again on every message.
             tracing::info!(
-                "runtime.reset_dirty_pages: this kernel has no PAGEMAP_SCAN (Linux 6.7 or later); \
+                "runtime.reset_dirty_pages: this kernel has no PAGEMAP_SCAN (added in Linux 6.7); \
                  memory is reset wholesale"
             );
         }
