@@ -576,7 +576,7 @@ pub const BACKLOG_PER_BATCH: usize = 4;
 /// messages, 16 workers, file delivery) a committer that never waited ran
 /// 2,600 batches, 1,569 of them under 8 messages, and spent a third of its
 /// time on those; waiting up to 0.1, 0.3, 0.5 or 1 ms for 4, 8, 12, 32 or
-/// 64 queued commits, 0.5 ms for 8 did best, about 7% faster with 8% less
+/// 64 queued commits, 0.5 ms for 8 did best, 4-7% faster with 6-8% less
 /// CPU (docs/src/benchmarks.md).
 pub const GATHER_MAX: Duration = Duration::from_micros(500);
 
@@ -921,8 +921,9 @@ async fn committer(
 /// Wait (on the committer's own thread, which nothing else uses) while
 /// fewer than [`GATHER_ENOUGH`] jobs are queued behind the first, a
 /// transaction of the store is still open, and jobs keep coming (one came
-/// within the last quarter of `most`), up to `most`. Other jobs count too:
-/// a lease waiting means a worker is idle, so the batch goes. The open
+/// within the last quarter of `most`), up to `most`. Other jobs count
+/// toward enough too (a lease waits behind the batch, its worker idle).
+/// The open
 /// transactions may be slow ones (an outbox delivery to a webhook): when
 /// nothing comes for a while, the batch goes without them instead of the
 /// committer sleeping through the whole bound. Through the CLI (20,000
