@@ -225,6 +225,19 @@ impl<S: Snapshot> Buffered<S> {
         }
     }
 
+    /// The transaction ends: its snapshot is closed (before any commit
+    /// waits), the rest handed out.
+    fn close(self) -> (Pending, Arc<Group>, Expected) {
+        let Buffered {
+            snapshot,
+            pending,
+            group,
+            expected,
+        } = self;
+        drop(snapshot);
+        (pending, group, expected)
+    }
+
     fn snapshot(&mut self) -> StoreResult<&mut S> {
         self.snapshot
             .as_mut()
@@ -268,26 +281,14 @@ impl<S: Snapshot + 'static> Transaction for Buffered<S> {
     }
 
     async fn commit(self: Box<Self>) -> StoreResult<()> {
-        let Buffered {
-            snapshot,
-            pending,
-            group,
-            expected,
-        } = *self;
-        drop(snapshot);
+        let (pending, group, expected) = self.close();
         group.commit_expected(pending, Some(expected)).await
     }
 
     async fn commit_held(self: Box<Self>, hold: Hold) -> StoreResult<()> {
-        let Buffered {
-            snapshot,
-            pending,
-            group,
-            expected,
-        } = *self;
+        let (pending, group, expected) = self.close();
         // The committer is waiting for this one: nothing to gather for.
         drop(expected);
-        drop(snapshot);
         match hold.commit(pending).await {
             Ok(result) => result,
             Err(pending) => group.commit(pending).await,
@@ -297,14 +298,8 @@ impl<S: Snapshot + 'static> Transaction for Buffered<S> {
     async fn rollback(self: Box<Self>) {}
 
     async fn rehearse(self: Box<Self>) -> Option<StoreResult<()>> {
-        let Buffered {
-            snapshot,
-            pending,
-            group,
-            expected,
-        } = *self;
+        let (pending, group, expected) = self.close();
         drop(expected);
-        drop(snapshot);
         group.rehearse(pending).await
     }
 }
@@ -763,10 +758,8 @@ impl Group {
         // committer shares its one thread anyway.
         let own_thread = self.driver.blocks() && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
         // Gathering waits on the committer's thread: only where it has one.
-        let gather = match own_thread && self.options.max_wait.is_zero() && self.options.max_batch > 1 {
-            true => Some((self.options.gather, self.open.clone())).filter(|(g, _)| !g.is_zero()),
-            false => None,
-        };
+        let o = &self.options;
+        let gather = (own_thread && o.max_wait.is_zero() && o.max_batch > 1 && !o.gather.is_zero()).then(|| (o.gather, self.open.clone()));
         let run = committer(
             r,
             self.driver.clone(),
@@ -935,8 +928,9 @@ fn gather_queued(rx: &mpsc::Receiver<Job>, open: &std::sync::atomic::AtomicUsize
     while queued + 1 < GATHER_ENOUGH && open.load(std::sync::atomic::Ordering::Relaxed) > 0 {
         std::thread::sleep(GATHER_POLL);
         let now = std::time::Instant::now();
-        if rx.len() > queued {
-            (queued, came) = (rx.len(), now);
+        let len = rx.len();
+        if len > queued {
+            (queued, came) = (len, now);
         }
         if now >= until || now.duration_since(came) >= quiet {
             break;
@@ -973,17 +967,18 @@ mod tests {
 
     impl Recorder {
         fn new() -> Arc<Recorder> {
-            Arc::new(Recorder {
-                sizes: Mutex::new(vec![]),
-                calls: AtomicUsize::new(0),
-                blocks: false,
-            })
+            Recorder::built(false)
         }
 
         fn blocking() -> Arc<Recorder> {
+            Recorder::built(true)
+        }
+
+        fn built(blocks: bool) -> Arc<Recorder> {
             Arc::new(Recorder {
-                blocks: true,
-                ..Arc::into_inner(Recorder::new()).unwrap()
+                sizes: Mutex::new(vec![]),
+                calls: AtomicUsize::new(0),
+                blocks,
             })
         }
     }
