@@ -11,7 +11,7 @@ use core::ops::{Add, Range, Sub};
 use wasmtime_core::error::OutOfMemory;
 #[cfg(feature = "component-model")]
 use wasmtime_environ::component::ComponentTypes;
-use wasmtime_environ::{FuncKey, ModuleTypes, StaticModuleIndex};
+use wasmtime_environ::{ModuleTypes, StaticModuleIndex}; // onceq patch: FuncKey unused
 
 macro_rules! define_pc_kind {
     ($ty:ident) => {
@@ -428,12 +428,12 @@ impl<'a> ModuleWithCode<'a> {
         self.module
     }
 
-    /// Returns the slice in the text section of the function that
-    /// `key` points to.
-    #[inline]
-    pub fn function(&self, key: FuncKey) -> &[u8] {
-        // onceq patch: remembered ranges (`CompiledModule::cached_function_range`).
-        let range = self.module.compiled_module().cached_function_range(key);
-        &self.store_code.text()[range]
+    /// onceq patch: this module's code as loaded in the store.
+    pub fn text(&self) -> &'a [u8] {
+        self.store_code.text()
     }
+
+    // onceq patch: `function(key)`, this module's function `key` in
+    // `text()`, had one caller, `Instance::initialize_and_return_funcref`,
+    // which now slices `text()` itself.
 }

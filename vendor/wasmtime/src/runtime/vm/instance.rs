@@ -144,6 +144,10 @@ pub struct Instance {
     /// cross-thread stuff used in `InstancePre`)
     store: Option<VMStoreRawPtr>,
 
+    /// onceq patch: the text of this instance's module in its store, once a
+    /// `VMFuncRef` needed it (see `initialize_and_return_funcref`).
+    funcref_text: Option<SendSyncPtr<[u8]>>,
+
     /// Additional context used by compiled wasm code. This field is last, and
     /// represents a dynamically-sized array that extends beyond the nominal
     /// end of the struct (similar to a flexible array member).
@@ -209,6 +213,7 @@ impl Instance {
             #[cfg(feature = "wmemcheck")]
             wmemcheck_state,
             store: None,
+            funcref_text: None,
             vmctx: OwnedVMContext::new(),
         })?;
 
@@ -951,7 +956,7 @@ impl Instance {
     /// functions here. Effectively all the arguments here must be "logically
     /// correct" for the `VMFuncRef` being initialized.
     unsafe fn initialize_and_return_funcref(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         registry: &ModuleRegistry,
         type_index: VMSharedTypeIndex,
         vmctx_offset: u32,
@@ -979,20 +984,42 @@ impl Instance {
         // it's better for instantiation performance if we don't have to track
         // "is-initialized" state at all!
 
-        let module_with_code = ModuleWithCode::in_store(
-            registry,
-            self.runtime_module()
-                .expect("funcref impossible in fake module"),
-        )
-        .expect("module not in store");
+        // onceq patch: the module's code in this store is looked up in the
+        // store's registry once per instance (two tree searches), and the
+        // function's ranges once per module
+        // (`CompiledModule::cached_function_range`), instead of both at
+        // every funcref: componentize-py components build about 6,000 at
+        // every instantiation (wasmtime issue #8212).
+        let text = match self.funcref_text {
+            Some(text) => text,
+            None => {
+                let module_with_code = ModuleWithCode::in_store(
+                    registry,
+                    self.runtime_module()
+                        .expect("funcref impossible in fake module"),
+                )
+                .expect("module not in store");
+                let text = SendSyncPtr::from(module_with_code.text());
+                // SAFETY: not moving data out of `self`.
+                unsafe { self.as_mut().get_unchecked_mut() }.funcref_text = Some(text);
+                text
+            }
+        };
+        // SAFETY: the store holds its code, registered before any of its
+        // instances was made, for as long as it holds the instance.
+        let text: &[u8] = unsafe { text.as_non_null().as_ref() };
+        let compiled = self
+            .runtime_module()
+            .expect("funcref impossible in fake module")
+            .compiled_module();
 
-        let array_call =
-            VmPtr::from(NonNull::from(module_with_code.function(array_to_wasm_key)).cast());
+        let array_call = VmPtr::from(
+            NonNull::from(&text[compiled.cached_function_range(array_to_wasm_key)]).cast(),
+        );
 
         let wasm_call = Some(VmPtr::from(
             NonNull::new(
-                module_with_code
-                    .function(wasm_key)
+                text[compiled.cached_function_range(wasm_key)]
                     .as_ptr()
                     .cast::<VMWasmCallFunction>()
                     .cast_mut(),
