@@ -58,6 +58,9 @@ impl CompiledModule {
         index: Arc<CompiledFunctionsTable>,
         profiler: &dyn ProfilingAgent,
     ) -> Result<Self> {
+        let funcref_ranges = (0..info.module.num_defined_funcs())
+            .map(|_| [UNKNOWN_RANGE, UNKNOWN_RANGE].map(core::sync::atomic::AtomicU64::new))
+            .collect();
         let mut ret = Self {
             unique_id: CompiledModuleId::new(),
             engine_code,
@@ -65,11 +68,8 @@ impl CompiledModule {
             meta: info.meta,
             index,
             func_names: info.func_names,
-            funcref_ranges: Box::default(),
+            funcref_ranges,
         };
-        ret.funcref_ranges = (0..ret.module.num_defined_funcs())
-            .map(|_| [UNKNOWN_RANGE, UNKNOWN_RANGE].map(core::sync::atomic::AtomicU64::new))
-            .collect();
         ret.register_profiling(profiler)?;
 
         Ok(ret)
