@@ -365,6 +365,42 @@ async fn payments_exactly_once_under(
     (r, counts)
 }
 
+/// The times a commit writes are the database's clock, never ahead of it:
+/// 200 orders drained by 4 workers in back-to-back batch commits (which
+/// take the clock from the last commit's timestamp instead of asking) left
+/// their charge intents in the outbox, each enqueued at its commit, and
+/// the counts' last commit; all lie between the database's clock read
+/// before the run and after it (before it by at most a commit's answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spanner_commit_times_are_the_databases_clock() {
+    const NOW: &str = "SELECT UNIX_MICROS(CURRENT_TIMESTAMP())";
+    let (store, database) = spanner_db(PAYMENTS_SPANNER_SQL, StoreOptions::default()).await;
+    seed_accounts(store.as_ref(), ACCOUNTS, BALANCE).await;
+    send_orders(store.as_ref(), 200, ACCOUNTS).await;
+    let audit = Audit::new(&database).await;
+    let before = audit.int(NOW).await;
+    let rt = runtime();
+    let r = payments_runner(&store, &rt, policy(4, 5));
+    drain(&store, std::slice::from_ref(&r)).await;
+    let after = audit.int(NOW).await;
+    check_payments_exactly_once(store.as_ref(), 200, ACCOUNTS, BALANCE).await;
+    let intents = audit.int("SELECT COUNT(*) FROM onceq_messages").await;
+    assert!(intents > 0, "charges wait in the outbox");
+    let first = audit.int("SELECT MIN(enqueued_at) FROM onceq_messages").await;
+    let last = audit.int("SELECT MAX(enqueued_at) FROM onceq_messages").await;
+    let counted = audit.int("SELECT MAX(last_at) FROM onceq_counts").await;
+    for (what, t) in [("first intent", first), ("last intent", last), ("last count", counted)] {
+        assert!(
+            t <= after,
+            "{what} enqueued at {t}, after the database's clock read after the run ({after})"
+        );
+        assert!(
+            t > before - 1_000_000,
+            "{what} enqueued at {t}, long before the run began ({before})"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spanner_payments_exactly_once_under_unknown_commit_outcomes() {
     let plan = FaultPlan {

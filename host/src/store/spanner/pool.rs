@@ -26,6 +26,11 @@ pub(super) struct Pool {
     /// aborting each other ([`super::turns`]: without them even one host
     /// is slowed to a crawl by its own aborts).
     pub(super) turns: Option<super::turns::Turns>,
+    /// The newest commit timestamp of this process's read-write
+    /// transactions on the database, and when its answer came: handlers'
+    /// point reads are at least that new ([`super::reads`]), and a commit
+    /// soon after takes its clock from it ([`Pool::clock`]).
+    committed: Mutex<Option<(wkt::Timestamp, std::time::Instant)>>,
 }
 
 /// One generation of the connection.
@@ -86,6 +91,38 @@ impl Pool {
                 replaced_at: None,
             }),
             ready: tokio::sync::Notify::new(),
+            committed: Mutex::new(None),
+        }
+    }
+
+    /// The newest commit timestamp this process saw on the database, if
+    /// its answer came within [`RECENT_COMMIT`].
+    pub(super) fn committed(&self) -> Option<wkt::Timestamp> {
+        self.recent_commit().map(|(at, _)| at)
+    }
+
+    /// The database's clock in microseconds, without asking it: the newest
+    /// commit timestamp this process saw (within [`RECENT_COMMIT`]),
+    /// advanced by the host's monotonic clock since its answer came. Behind
+    /// the database's clock by that answer's latency, never ahead of it.
+    pub(super) fn clock(&self) -> Option<i64> {
+        let (at, seen) = self.recent_commit()?;
+        let micros = at.seconds().checked_mul(1_000_000)?.checked_add(i64::from(at.nanos() / 1_000))?;
+        micros.checked_add(i64::try_from(seen.elapsed().as_micros()).ok()?)
+    }
+
+    fn recent_commit(&self) -> Option<(wkt::Timestamp, std::time::Instant)> {
+        let c = self.committed.lock().ok()?;
+        c.filter(|(_, seen)| seen.elapsed() < RECENT_COMMIT)
+    }
+
+    fn saw_commit(&self, at: Option<wkt::Timestamp>) {
+        let Some(at) = at else { return };
+        if let Ok(mut c) = self.committed.lock() {
+            let newer = c.is_none_or(|(seen, _)| (seen.seconds(), seen.nanos()) < (at.seconds(), at.nanos()));
+            if newer {
+                *c = Some((at, std::time::Instant::now()));
+            }
         }
     }
 
@@ -296,7 +333,11 @@ impl Pool {
                     let c = self.get().await?;
                     run_rw(&c, self.call_timeout, work.clone()).await
                 })
-                .await;
+                .await
+                .map(|(result, at)| {
+                    self.saw_commit(at);
+                    result
+                });
             match attempt {
                 Err(StoreError::Aborted(_)) if started.elapsed() < self.call_timeout => {
                     aborts += 1;
@@ -318,6 +359,11 @@ impl Pool {
     }
 }
 
+/// How long a commit's timestamp stands in for the database's clock
+/// ([`Pool::clock`]) and bounds handlers' point reads ([`super::reads`]):
+/// under load commits come every few milliseconds; an idle host asks.
+pub(super) const RECENT_COMMIT: Duration = Duration::from_secs(1);
+
 /// Attempts of one read-write transaction the client's runner makes
 /// across aborts, keeping the first attempt's lock priority.
 const ABORT_ATTEMPTS: u32 = 8;
@@ -331,13 +377,14 @@ pub(super) fn abort_pause(aborts: u32) -> Duration {
 
 /// Run a read-write transaction with an ordinary closure returning an owned
 /// future (which is an `AsyncFnMut` through the standard library's blanket
-/// impl, without the lifetime trouble of borrowing async closures).
+/// impl, without the lifetime trouble of borrowing async closures): its
+/// result, and the commit's timestamp.
 ///
 /// The client's own transaction timeout ends it a little before the call
 /// deadline: re-runs after aborts stop, and what was begun is rolled back
 /// (on the emulator an abandoned transaction would hold its locks until it
 /// expires).
-pub(super) async fn run_rw<T, F, Fut>(client: &DatabaseClient, deadline: Duration, mut work: F) -> StoreResult<T>
+pub(super) async fn run_rw<T, F, Fut>(client: &DatabaseClient, deadline: Duration, mut work: F) -> StoreResult<(T, Option<wkt::Timestamp>)>
 where
     F: FnMut(RwTx) -> Fut + Send,
     Fut: std::future::Future<Output = google_cloud_spanner::Result<T>> + Send,
@@ -360,7 +407,10 @@ where
         .build()
         .run(move |tx: RwTx| work(tx))
         .await
-        .map(|r| r.into_inner())
+        .map(|r| {
+            let at = r.commit_timestamp();
+            (r.into_inner(), at)
+        })
         .map_err(classify)
 }
 

@@ -273,7 +273,7 @@ impl Store for SpannerStore {
         self.rw("a send", move |tx| {
             let (params, schema) = (params.clone(), schema.clone());
             async move {
-                let seen = read_ahead(&tx, &[], &params, false, None).await?;
+                let seen = read_ahead(&tx, &[], &params, false, None, None).await?;
                 let mut ex = SpannerExec::new(&schema, seen, false);
                 let mut out = Vec::with_capacity(params.len());
                 for p in params.iter() {
