@@ -467,11 +467,32 @@ mod tests {
     use super::super::testing::*;
     use super::super::Policy;
     use super::Pace;
-    use crate::store::faulty::{FaultPlan, FaultyStore};
+    use crate::store::faulty::{FaultCounts, FaultPlan, FaultyStore};
     use crate::store::Store;
     use std::sync::atomic::Ordering::Relaxed;
     use std::sync::Arc;
     use std::time::Duration;
+
+    /// A queue of `workers` workers taking one message at a time, each
+    /// `per_message` long (tokio time), polling at most every 200 ms when
+    /// idle, on a store that counts the calls made to it.
+    fn counted_slow_writers(
+        workers: usize,
+        per_message: Duration,
+    ) -> (tempfile::TempDir, Arc<dyn Store>, Arc<FaultCounts>, Arc<super::QueueRunner>) {
+        let (dir, base) = store();
+        let (faulty, counts) = FaultyStore::new(base, FaultPlan::default());
+        let store: Arc<dyn Store> = Arc::new(faulty);
+        let mut r = runner(&store, slow_writer(per_message), Duration::from_secs(30));
+        Arc::get_mut(&mut r).unwrap().spec.policy = Policy {
+            lease: Duration::from_secs(30),
+            workers,
+            batch: 1,
+            poll_max: Duration::from_millis(200),
+            ..Policy::default()
+        };
+        (dir, store, counts, r)
+    }
 
     /// `--until-empty` does not ask the store whether work is left while a
     /// worker of this host still holds a message (the host knows some is),
@@ -480,17 +501,7 @@ mod tests {
     /// commits of a run.
     #[tokio::test(start_paused = true)]
     async fn until_empty_asks_the_store_only_once_nothing_is_held_here() {
-        let (_dir, base) = store();
-        let (faulty, counts) = FaultyStore::new(base.clone(), FaultPlan::default());
-        let store: Arc<dyn Store> = Arc::new(faulty);
-        let mut r = runner(&store, slow_writer(Duration::from_secs(3)), Duration::from_secs(30));
-        Arc::get_mut(&mut r).unwrap().spec.policy = Policy {
-            lease: Duration::from_secs(30),
-            workers: 2,
-            batch: 1,
-            poll_max: Duration::from_millis(200),
-            ..Policy::default()
-        };
+        let (_dir, store, counts, r) = counted_slow_writers(2, Duration::from_secs(3));
         send(&store, 1).await;
         let (stop, _rx) = crate::shutdown::channel();
         let run = super::super::run_queues(store.clone(), vec![r.clone()], stop, true);
@@ -507,17 +518,7 @@ mod tests {
     /// work that arrives is still taken up by every worker at once.
     #[tokio::test(start_paused = true)]
     async fn an_idle_queue_is_polled_by_one_worker_at_a_time() {
-        let (_dir, base) = store();
-        let (faulty, counts) = FaultyStore::new(base.clone(), FaultPlan::default());
-        let store: Arc<dyn Store> = Arc::new(faulty);
-        let mut r = runner(&store, slow_writer(Duration::from_secs(1)), Duration::from_secs(30));
-        Arc::get_mut(&mut r).unwrap().spec.policy = Policy {
-            lease: Duration::from_secs(30),
-            workers: 4,
-            batch: 1,
-            poll_max: Duration::from_millis(200),
-            ..Policy::default()
-        };
+        let (_dir, store, counts, r) = counted_slow_writers(4, Duration::from_secs(1));
         let (tx, rx) = crate::shutdown::channel();
         let running = tokio::spawn(r.clone().run(rx));
         tokio::time::sleep(Duration::from_secs(20)).await;
@@ -535,7 +536,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(sent.elapsed() < Duration::from_secs(4), "8 messages took {:?}", sent.elapsed());
-        assert_eq!(rows(&base).await, 8);
+        assert_eq!(rows(&store).await, 8);
         tx.request();
         running.await.unwrap();
     }
