@@ -25,7 +25,7 @@
 //! none in the last second ([`super::pool::RECENT_COMMIT`]), so what other
 //! hosts committed is seen within about that (and caught by the re-read
 //! anyway).
-//! On the emulator a strong single-use read took 1.8 ms against 0.7 ms,
+//! On the emulator a strong single-use read took 1.8 ms against 0.5 ms,
 //! and these reads were a quarter of its time at 16 workers.
 
 use super::*;
