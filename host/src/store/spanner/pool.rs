@@ -107,8 +107,7 @@ impl Pool {
     /// the database's clock by that answer's latency, never ahead of it.
     pub(super) fn clock(&self) -> Option<i64> {
         let (at, seen) = self.recent_commit()?;
-        let micros = at.seconds().checked_mul(1_000_000)?.checked_add(i64::from(at.nanos() / 1_000))?;
-        micros.checked_add(i64::try_from(seen.elapsed().as_micros()).ok()?)
+        micros_of(&at).checked_add(i64::try_from(seen.elapsed().as_micros()).ok()?)
     }
 
     fn recent_commit(&self) -> Option<(wkt::Timestamp, std::time::Instant)> {
@@ -119,8 +118,7 @@ impl Pool {
     fn saw_commit(&self, at: Option<wkt::Timestamp>) {
         let Some(at) = at else { return };
         if let Ok(mut c) = self.committed.lock() {
-            let newer = c.is_none_or(|(seen, _)| (seen.seconds(), seen.nanos()) < (at.seconds(), at.nanos()));
-            if newer {
+            if c.is_none_or(|(seen, _)| seen < at) {
                 *c = Some((at, std::time::Instant::now()));
             }
         }
