@@ -66,10 +66,9 @@ pub(super) const KEYS_PER_READ: usize = 256;
 /// the lease tokens of its acks (one read; not for a batch of one, whose
 /// ack asserts its row instead), the dedup rows of the keys it claims or
 /// holds, and those of `sends` (sends outside a message: `onceq send`),
-/// in one read, and the database's clock with this store instance's
-/// counts rows of the acked queues (`counts`), in one query; or, with the
-/// clock known (`clock`, from [`Pool::clock`]), only the counts rows, by
-/// key.
+/// in one read, the database's clock (one query, unless `clock` is known:
+/// [`Pool::clock`]), and this store instance's counts rows of the acked
+/// queues (`counts`), by key.
 pub(super) async fn read_ahead(
     tx: &RwTx,
     batch: &[commit::Pending],
@@ -163,59 +162,32 @@ pub(super) async fn read_ahead(
             expiring.push((r.get::<String>(0)?, r.get::<String>(1)?, r.get::<String>(2)?, r.get::<i64>(3)?));
         }
     }
-    let queues: BTreeSet<&str> = acks.iter().map(|l| l.queue.as_str()).collect();
-    match clock {
-        // The clock known without asking ([`Pool::clock`]): the counts
-        // rows by key (on the emulator a query is 3-8 ms of the one
-        // read-write turn, a read by key under 1 ms).
-        Some(now) => {
-            seen.now = now;
-            if let Some(shard) = counts.filter(|_| !queues.is_empty()) {
-                let mut set = KeySetBuilder::new();
-                for q in &queues {
-                    set = set.add_key(Key::new(vec![SValue::from(q.to_string()), SValue::from(shard)]));
-                }
-                let read = google_cloud_spanner::read::ReadRequest::builder("onceq_counts", ["queue", "processed"])
-                    .with_keys(set.build())
-                    .build();
-                let mut rs = tx.execute_read(read).await?;
-                while let Some(r) = rs.next().await {
-                    let r = r?;
-                    seen.counts.insert(r.get::<String>(0)?, r.get::<i64>(1)?);
-                }
+    // The clock: known without asking ([`Pool::clock`]), or one query (on
+    // the emulator a query is 3-8 ms of the one read-write turn).
+    seen.now = match clock {
+        Some(now) => now,
+        None => {
+            let mut rs = tx.execute_query(Statement::builder(format!("SELECT {NOW}")).build()).await?;
+            match rs.next().await {
+                Some(r) => r?.get::<i64>(0)?,
+                None => return Err(invariant("the database's clock: the query returned no row".into())),
             }
         }
-        // The clock, and this instance's counts rows of the acked queues,
-        // in one query (a left join keeps the clock's row when no count is
-        // there).
-        None => {
-            let query = match counts {
-                Some(shard) if !queues.is_empty() => Statement::builder(format!(
-                    "SELECT {NOW}, c.queue, c.processed FROM (SELECT 1) AS one
-                     LEFT JOIN onceq_counts AS c ON c.shard = @s AND c.queue IN UNNEST(@q)"
-                ))
-                .add_param("s", shard)
-                .add_typed_param(
-                    "q",
-                    queues.iter().map(|q| q.to_string()).collect::<Vec<_>>(),
-                    google_cloud_spanner::types::array(google_cloud_spanner::types::string()),
-                )
-                .build(),
-                _ => Statement::builder(format!("SELECT {NOW}, CAST(NULL AS STRING), CAST(NULL AS INT64)")).build(),
-            };
-            let mut rs = tx.execute_query(query).await?;
-            let mut clocked = false;
-            while let Some(r) = rs.next().await {
-                let r = r?;
-                seen.now = r.get::<i64>(0)?;
-                clocked = true;
-                if let (Some(queue), Some(n)) = (r.get::<Option<String>>(1)?, r.get::<Option<i64>>(2)?) {
-                    seen.counts.insert(queue, n);
-                }
-            }
-            if !clocked {
-                return Err(invariant("the database's clock: the query returned no row".into()));
-            }
+    };
+    // This instance's counts rows of the acked queues, by key.
+    let queues: BTreeSet<&str> = acks.iter().map(|l| l.queue.as_str()).collect();
+    if let Some(shard) = counts.filter(|_| !queues.is_empty()) {
+        let mut set = KeySetBuilder::new();
+        for q in &queues {
+            set = set.add_key(Key::new(vec![SValue::from(q.to_string()), SValue::from(shard)]));
+        }
+        let read = google_cloud_spanner::read::ReadRequest::builder("onceq_counts", ["queue", "processed"])
+            .with_keys(set.build())
+            .build();
+        let mut rs = tx.execute_read(read).await?;
+        while let Some(r) = rs.next().await {
+            let r = r?;
+            seen.counts.insert(r.get::<String>(0)?, r.get::<i64>(1)?);
         }
     }
     for (queue, key, id, expires_at) in expiring {
