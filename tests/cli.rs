@@ -1009,3 +1009,60 @@ fn a_javascript_message_does_not_pay_for_the_engine_s_builtins() {
         "a JavaScript payments message ran {ran} instructions: the SDK's build-time warm-up (onceq-guest.js) no longer takes effect"
     );
 }
+
+/// `runtime.perf_map = true` names a handler's compiled functions to
+/// `perf` in `/tmp/perf-PID.map` (the guest's own function names, from its
+/// name section), so a profile of `onceq run` or `onceq try` shows where
+/// the guest spends its time instead of `[unknown]`. Off by default: no
+/// file is written.
+#[test]
+fn perf_map_names_the_guest_s_functions_to_perf() {
+    let p = Project::new("");
+    p.ok(&["init"]);
+    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
+    let try_once = |p: &Project| -> (u32, String) {
+        let child = p
+            .cmd(&["try", guest("payments").to_str().unwrap(), "--message", "order.json", "--id", "m-1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "onceq try failed: {}", String::from_utf8_lossy(&out.stderr));
+        (pid, String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let map = |pid: u32| PathBuf::from(format!("/tmp/perf-{pid}.map"));
+
+    let (pid, _) = try_once(&p);
+    assert!(!map(pid).exists(), "{} written without runtime.perf_map", map(pid).display());
+
+    let config = std::fs::read_to_string(p.path().join("onceq.toml")).unwrap();
+    std::fs::write(p.path().join("onceq.toml"), format!("{config}\n[runtime]\nperf_map = true\n")).unwrap();
+    let (pid, out) = try_once(&p);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["outcome"], "ok", "{report}");
+    let written = std::fs::read_to_string(map(pid));
+    let _ = std::fs::remove_file(map(pid));
+    let written = written.unwrap_or_else(|e| panic!("{}: {e}", map(pid).display()));
+    // perf's format: start address and size in hex, then the name.
+    let lines: Vec<&str> = written.lines().collect();
+    assert!(
+        lines.iter().all(|l| {
+            let f: Vec<&str> = l.splitn(3, ' ').collect();
+            f.len() == 3 && u64::from_str_radix(f[0].trim_start_matches("0x"), 16).is_ok() && u64::from_str_radix(f[1], 16).is_ok()
+        }),
+        "not perf's map format: {:?}",
+        &lines[..lines.len().min(3)]
+    );
+    // Every function the guest defines: the Rust payments guest defines
+    // 283 (stripped of names, so each is `wasm[0]::function[N]`;
+    // docs/src/handlers.md says how to keep them).
+    let guest_functions = lines.iter().filter(|l| l.contains(" wasm[0]::function[")).count();
+    assert!(
+        guest_functions >= 283,
+        "{guest_functions} functions of the payments guest named: {:?}",
+        &lines[..lines.len().min(5)]
+    );
+}

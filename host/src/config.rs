@@ -54,6 +54,7 @@ struct RawRuntime {
     cache_max_bytes: Option<String>,
     reset_dirty_pages: Option<bool>,
     count_instructions: Option<bool>,
+    perf_map: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -578,6 +579,9 @@ impl RawRuntime {
         }
         if let Some(b) = self.count_instructions {
             runtime.count_instructions = b;
+        }
+        if let Some(b) = self.perf_map {
+            runtime.perf_map = b;
         }
         if self.cache.unwrap_or(true) {
             runtime.cache_dir = Some(state_dir.join("cache"));

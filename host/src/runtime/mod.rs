@@ -86,6 +86,15 @@ pub struct RuntimeConfig {
     /// the pipeline; `runtime.count_instructions = false` saves that for
     /// handlers that compute a lot and need no budget.
     pub count_instructions: bool,
+    /// Name every compiled function of every handler to `perf`
+    /// (`runtime.perf_map`): wasmtime appends each one's address, size and
+    /// name (`wasm[N]::function[M]::NAME`, from the component's name
+    /// section) to `/tmp/perf-PID.map`, the file `perf report` reads for
+    /// code it cannot find in a binary. Without it a guest's time shows
+    /// as `[unknown]`. Off by default: the file grows with every component
+    /// loaded (a Python component names about 26,000 functions) and is
+    /// not removed when the process exits.
+    pub perf_map: bool,
 }
 
 /// Dirtied memory reset in place (and kept mapped) between instances with
@@ -109,6 +118,7 @@ impl Default for RuntimeConfig {
             cache_max_bytes: cache::DEFAULT_MAX_BYTES,
             reset_dirty_pages: true,
             count_instructions: true,
+            perf_map: false,
         }
     }
 }
@@ -287,6 +297,9 @@ impl Runtime {
             .epoch_interruption(true)
             .consume_fuel(config.count_instructions)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        if config.perf_map {
+            cfg.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("creating the wasmtime engine: {e}"))?;
         let cache = match &config.cache_dir {
             Some(dir) => Some(cache::CodeCache::open(dir, &engine, config.cache_max_bytes)?),
