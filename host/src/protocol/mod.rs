@@ -375,8 +375,8 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
                 while !rx.is_requested() {
                     // The store is asked only once every queue came up empty
                     // here and this host holds none of their messages: the
-                    // counts read the whole queue table, which a busy
-                    // Spanner emulator feels (checks on every idle moment of
+                    // counts read the whole queue table (`Store::backlog`),
+                    // which a busy Spanner emulator feels (checks on every idle moment of
                     // the outbox took much of its CPU; checks while the
                     // last messages of a 300-message run were re-run and
                     // committed took 4 queries each at its one transaction
@@ -387,7 +387,7 @@ pub fn run_queues(store: Arc<dyn Store>, runners: Vec<Arc<QueueRunner>>, stop: S
                     let asked = runners.iter().all(|r| r.is_paused() || r.settled());
                     if !asked {
                         gap = UNTIL_EMPTY_MIN_GAP;
-                    } else if let Ok(stats) = store.stats().await {
+                    } else if let Ok(stats) = store.backlog().await {
                         let horizon = UNTIL_EMPTY_HORIZON.as_millis() as u64;
                         let paused = |queue: &str| runners.iter().any(|r| r.spec.name == queue && r.is_paused());
                         let busy = stats

@@ -58,7 +58,8 @@ pub struct FaultCounts {
     pub renewals: AtomicU64,
     /// Lease calls passed through (tests count an idle queue's polls).
     pub leases: AtomicU64,
-    /// Stats calls passed through (tests count `--until-empty`'s checks).
+    /// Stats and backlog calls passed through (tests count `--until-empty`'s
+    /// checks).
     pub stats: AtomicU64,
     /// Failure records that landed and reported an unknown outcome.
     pub records_landed: AtomicU64,
@@ -235,6 +236,10 @@ impl Store for FaultyStore {
     async fn stats(&self) -> StoreResult<Stats> {
         self.injector.counts.stats.fetch_add(1, Ordering::Relaxed);
         self.inner.stats().await
+    }
+    async fn backlog(&self) -> StoreResult<Stats> {
+        self.injector.counts.stats.fetch_add(1, Ordering::Relaxed);
+        self.inner.backlog().await
     }
     async fn write_check(&self) -> StoreResult<()> {
         self.inner.write_check().await

@@ -19,6 +19,15 @@ pub async fn lease_and_ack(store: Arc<dyn Store>) {
     assert_eq!((q.ready, q.leased, q.delayed), (1, 2, 0));
     let other = stats.queues.iter().find(|q| q.queue == "other").unwrap();
     assert_eq!((other.ready, other.leased, other.delayed), (1, 0, 0), "every queue is counted");
+    // What `run --until-empty` asks: the same message counts.
+    let backlog = s.backlog().await.unwrap();
+    let counts = |st: &onceq::store::Stats| -> Vec<_> {
+        st.queues
+            .iter()
+            .map(|q| (q.queue.clone(), q.ready, q.leased, q.delayed, q.expired_leases))
+            .collect()
+    };
+    assert_eq!(counts(&backlog), counts(&stats), "the backlog counts what stats counts");
     ack(s, &got[0].lease).await.unwrap();
     assert!(
         matches!(ack(s, &got[0].lease).await, Err(StoreError::LeaseLost { .. })),

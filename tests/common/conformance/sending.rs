@@ -90,6 +90,10 @@ pub async fn delayed_messages_become_visible_in_due_order(store: Arc<dyn Store>)
     s.message_send(vec![delayed("late", 600), delayed("now", 0), delayed("soon", 300)])
         .await
         .unwrap();
+    let backlog = s.backlog().await.unwrap();
+    let q = backlog.queues.iter().find(|q| q.queue == "q").unwrap();
+    assert_eq!((q.ready, q.leased, q.delayed), (1, 0, 2), "{q:?}");
+    assert!(q.next_due_ms.is_some_and(|ms| ms <= 300), "the next due in at most 300 ms: {q:?}");
     let mut order = Vec::new();
     for _ in 0..1000 {
         for m in lease(s, "q", 1, 10_000).await {

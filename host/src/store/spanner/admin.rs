@@ -281,22 +281,32 @@ impl SpannerStore {
             .map_err(|e| anyhow::anyhow!("connecting to Spanner: {e}"))?;
         let emulator = std::env::var("SPANNER_EMULATOR_HOST").is_ok_and(|s| !s.is_empty());
         let pool = Arc::new(Pool::new(spanner, opts, opts.exclusive.unwrap_or(emulator), emulator));
-        let schema = retrying("the schema query", || {
-            pool.within("the schema query", false, Self::load_schema(&pool))
-        })
-        .await
-        .map_err(|e| anyhow::Error::new(e).context(format!("reading the schema of {}", opts.database)))?;
-        let tables = retrying("the system tables query", || {
-            pool.within("the system tables query", false, Self::system_columns(&pool))
-        })
-        .await
-        .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
+        // The three INFORMATION_SCHEMA reads at once: one after another
+        // they took about 55 ms of every start on the emulator.
+        let (schema, tables, ttl) = tokio::try_join!(
+            async {
+                retrying("the schema query", || {
+                    pool.within("the schema query", false, Self::load_schema(&pool))
+                })
+                .await
+                .map_err(|e| anyhow::Error::new(e).context(format!("reading the schema of {}", opts.database)))
+            },
+            async {
+                retrying("the system tables query", || {
+                    pool.within("the system tables query", false, Self::system_columns(&pool))
+                })
+                .await
+                .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))
+            },
+            async {
+                retrying("the row deletion policy query", || {
+                    pool.within("the row deletion policy query", false, Self::dedup_ttl(&pool))
+                })
+                .await
+                .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))
+            },
+        )?;
         Self::migrate(&pool, &opts.database, &tables).await?;
-        let ttl = retrying("the row deletion policy query", || {
-            pool.within("the row deletion policy query", false, Self::dedup_ttl(&pool))
-        })
-        .await
-        .map_err(|e| anyhow::Error::new(e).context(format!("reading onceq's tables in {}", opts.database)))?;
         if !ttl && options.spanner_expiry == SpannerExpiry::Ttl {
             tracing::info!(
                 "{}: onceq_dedup has no row deletion policy (made by an older onceq or with spanner.expiry = \"purge\"): one host a minute deletes expired dedup keys with Partitioned DML; to let Spanner delete them instead: {}; DROP INDEX onceq_dedup_expiry (if present)",
@@ -507,21 +517,22 @@ impl SpannerStore {
     }
 
     pub(super) async fn load_schema(pool: &Arc<Pool>) -> StoreResult<Schema> {
-        let c = pool.get().await?;
-        let tx = c.single_use().build();
-        let mut rs = tx
-            .execute_query(
-                Statement::builder(
-                    "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE, COLUMN_DEFAULT IS NOT NULL OR IS_GENERATED = 'ALWAYS' FROM INFORMATION_SCHEMA.COLUMNS
+        // The columns and the primary keys, read at once.
+        let (columns, keys) = tokio::try_join!(
+            Self::schema_rows(
+                pool,
+                "SELECT TABLE_NAME, COLUMN_NAME, SPANNER_TYPE, IS_NULLABLE, COLUMN_DEFAULT IS NOT NULL OR IS_GENERATED = 'ALWAYS' FROM INFORMATION_SCHEMA.COLUMNS
                  WHERE TABLE_SCHEMA = '' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_') ORDER BY TABLE_NAME, ORDINAL_POSITION",
-                )
-                .build(),
-            )
-            .await
-            .map_err(classify)?;
+            ),
+            Self::schema_rows(
+                pool,
+                "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.INDEX_COLUMNS
+                 WHERE TABLE_SCHEMA = '' AND INDEX_TYPE = 'PRIMARY_KEY' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_')
+                 ORDER BY TABLE_NAME, ORDINAL_POSITION",
+            ),
+        )?;
         let mut schema = Schema::default();
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
+        for r in columns {
             let (t, c, ty, nullable, has_default): (String, String, String, String, bool) = (
                 r.get(0).map_err(classify)?,
                 r.get(1).map_err(classify)?,
@@ -547,20 +558,7 @@ impl SpannerStore {
                     has_default,
                 });
         }
-        let tx = c.single_use().build();
-        let mut rs = tx
-            .execute_query(
-                Statement::builder(
-                    "SELECT TABLE_NAME, COLUMN_NAME FROM INFORMATION_SCHEMA.INDEX_COLUMNS
-                 WHERE TABLE_SCHEMA = '' AND INDEX_TYPE = 'PRIMARY_KEY' AND NOT STARTS_WITH(TABLE_NAME, 'onceq_')
-                 ORDER BY TABLE_NAME, ORDINAL_POSITION",
-                )
-                .build(),
-            )
-            .await
-            .map_err(classify)?;
-        while let Some(r) = rs.next().await {
-            let r = r.map_err(classify)?;
+        for r in keys {
             let (t, c): (String, String) = (r.get(0).map_err(classify)?, r.get(1).map_err(classify)?);
             if let Some(table) = schema.tables.get_mut(&t) {
                 if let Some(i) = table.columns.iter().position(|col| col.name == c) {

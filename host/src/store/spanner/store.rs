@@ -94,9 +94,9 @@ impl SpannerStore {
             .await
     }
 
-    /// The queue counts ([`Store::stats`]), without the deadline.
-    pub(super) async fn stats_now(&self) -> StoreResult<Stats> {
-        let c = self.pool.get().await?;
+    /// The messages' counts per queue: one query of `onceq_messages`
+    /// (`Store::backlog`, and the first of `stats`).
+    async fn backlog_now(&self, c: &DatabaseClient) -> StoreResult<std::collections::BTreeMap<String, QueueStats>> {
         let mut by_queue: std::collections::BTreeMap<String, QueueStats> = Default::default();
         let mut rs = c
             .single_use()
@@ -123,29 +123,63 @@ impl SpannerStore {
             e.next_due_ms = r.get::<Option<i64>>(4).map_err(classify)?.map(|ms| ms.max(0) as u64);
             e.expired_leases = r.get::<i64>(5).map_err(classify)? as u64;
         }
-        if self.counts {
-            let mut rs = c
-                .single_use()
-                .build()
-                .execute_query(Statement::builder("SELECT queue, SUM(processed), MAX(last_at) FROM onceq_counts GROUP BY queue").build())
+        Ok(by_queue)
+    }
+
+    /// The queue counts ([`Store::stats`]), without the deadline.
+    pub(super) async fn stats_now(&self) -> StoreResult<Stats> {
+        // The four reads at once, each on a client of its own (with
+        // exclusive clients, the emulator's, a client serves one at a time).
+        let (mut by_queue, processed, dead, dedup) = tokio::try_join!(
+            async { self.backlog_now(&*self.pool.get().await?).await },
+            async {
+                let mut processed = Vec::new();
+                if !self.counts {
+                    return Ok(processed);
+                }
+                let c = self.pool.get().await?;
+                let mut rs = c
+                    .single_use()
+                    .build()
+                    .execute_query(
+                        Statement::builder("SELECT queue, SUM(processed), MAX(last_at) FROM onceq_counts GROUP BY queue").build(),
+                    )
+                    .await
+                    .map_err(classify)?;
+                while let Some(r) = rs.next().await {
+                    let r = r.map_err(classify)?;
+                    let (q, n, at) = (
+                        r.get::<String>(0).map_err(classify)?,
+                        r.get::<i64>(1).map_err(classify)?.max(0) as u64,
+                        r.get::<Option<i64>>(2).map_err(classify)?,
+                    );
+                    processed.push((q, n, at));
+                }
+                StoreResult::Ok(processed)
+            },
+            async {
+                counts_by_queue(
+                    &*self.pool.get().await?,
+                    "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string(),
+                )
                 .await
-                .map_err(classify)?;
-            while let Some(r) = rs.next().await {
-                let r = r.map_err(classify)?;
-                let e = queue_entry(&mut by_queue, r.get::<String>(0).map_err(classify)?);
-                e.processed = r.get::<i64>(1).map_err(classify)?.max(0) as u64;
-                e.last_processed_at = r.get::<Option<i64>>(2).map_err(classify)?;
-            }
+            },
+            async {
+                counts_by_queue(
+                    &*self.pool.get().await?,
+                    format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
+                )
+                .await
+            },
+        )?;
+        for (q, n, at) in processed {
+            let e = queue_entry(&mut by_queue, q);
+            (e.processed, e.last_processed_at) = (n, at);
         }
-        for (q, n) in counts_by_queue(&c, "SELECT queue, COUNT(*) FROM onceq_dead_letters GROUP BY queue".to_string()).await? {
+        for (q, n) in dead {
             queue_entry(&mut by_queue, q).dead = n;
         }
-        for (q, n) in counts_by_queue(
-            &c,
-            format!("SELECT queue, COUNT(*) FROM onceq_dedup WHERE expires_at > {NOW} GROUP BY queue"),
-        )
-        .await?
-        {
+        for (q, n) in dedup {
             queue_entry(&mut by_queue, q).dedup_keys = n;
         }
         Ok(Stats {
@@ -384,6 +418,17 @@ impl Store for SpannerStore {
 
     async fn stats(&self) -> StoreResult<Stats> {
         self.pool.within("the stats queries", false, self.stats_now()).await
+    }
+
+    async fn backlog(&self) -> StoreResult<Stats> {
+        self.pool
+            .within("the backlog query", false, async {
+                let c = self.pool.get().await?;
+                Ok(Stats {
+                    queues: self.backlog_now(&*c).await?.into_values().collect(),
+                })
+            })
+            .await
     }
 
     async fn dead_letter_list(&self, queues: Queues<'_>, limit: usize) -> StoreResult<Vec<DeadLetter>> {
