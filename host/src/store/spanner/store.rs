@@ -425,7 +425,7 @@ impl Store for SpannerStore {
             .within("the backlog query", false, async {
                 let c = self.pool.get().await?;
                 Ok(Stats {
-                    queues: self.backlog_now(&*c).await?.into_values().collect(),
+                    queues: self.backlog_now(&c).await?.into_values().collect(),
                 })
             })
             .await
