@@ -1066,3 +1066,37 @@ fn perf_map_names_the_guest_s_functions_to_perf() {
         &lines[..lines.len().min(5)]
     );
 }
+
+/// The Python SDK runs its own per-message code a few times when the
+/// component is built (componentize-py snapshots the interpreter after the
+/// modules ran): CPython's specialised bytecode and attribute caches are in
+/// the snapshot, not rebuilt in every message's fresh instance. One
+/// payments message then runs about 600,000 instructions; it ran 795,000
+/// before (docs/src/benchmarks.md). Instruction counts do not depend on the
+/// machine or its load.
+#[test]
+fn a_python_message_does_not_pay_for_the_sdk_s_first_run() {
+    let py = repo_root().join("guest-examples/target/python/payments.wasm");
+    assert!(py.exists(), "{} is missing: run `make guests`", py.display());
+    let p = Project::new("");
+    // The compiled component is kept beside the build (a Python component
+    // takes a while to compile); `try` reads nothing else of the state folder.
+    let cache = repo_root().join("target/onceq-test-state-python-try");
+    let config = std::fs::read_to_string(p.path().join("onceq.toml")).unwrap();
+    std::fs::write(
+        p.path().join("onceq.toml"),
+        format!("state_dir = {:?}\n{config}", cache.display().to_string()),
+    )
+    .unwrap();
+    p.ok(&["init"]);
+    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&p.ok(&["try", py.to_str().unwrap(), "--message", "order.json", "--id", "m-1"])).unwrap();
+    assert_eq!(report["outcome"], "ok", "{report}");
+    assert_eq!(report["effects"].as_array().map(Vec::len), Some(3), "{report}");
+    let ran = report["instructions"].as_u64().expect("try reports instructions");
+    assert!(
+        (300_000..700_000).contains(&ran),
+        "a Python payments message ran {ran} instructions: the SDK's build-time warm-up (onceq_guest.py) no longer takes effect"
+    );
+}
