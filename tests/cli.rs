@@ -985,6 +985,19 @@ fn try_and_test_report_instructions_and_a_case_can_cap_them() {
     assert!(out.contains("2 cases: 1 passed, 1 failed"), "{out}");
 }
 
+/// The instructions `onceq try` reports for one payments order through
+/// `component` (a port of the payments example) in `p`, initialised here;
+/// the order is charged (3 effects).
+fn payments_order_instructions(p: &Project, component: &Path) -> u64 {
+    p.ok(&["init"]);
+    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&p.ok(&["try", component.to_str().unwrap(), "--message", "order.json", "--id", "m-1"])).unwrap();
+    assert_eq!(report["outcome"], "ok", "{report}");
+    assert_eq!(report["effects"].as_array().map(Vec::len), Some(3), "{report}");
+    report["instructions"].as_u64().expect("try reports instructions")
+}
+
 /// The JavaScript SDK warms the engine when the component is built
 /// (componentize-js snapshots it after the module ran): the builtins of
 /// the handler's global and of the generated bindings' own global are made
@@ -996,14 +1009,7 @@ fn try_and_test_report_instructions_and_a_case_can_cap_them() {
 fn a_javascript_message_does_not_pay_for_the_engine_s_builtins() {
     let js = repo_root().join("guest-examples/target/js/payments.wasm");
     assert!(js.exists(), "{} is missing: run `make guests`", js.display());
-    let p = Project::new("");
-    p.ok(&["init"]);
-    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
-    let report: serde_json::Value =
-        serde_json::from_str(&p.ok(&["try", js.to_str().unwrap(), "--message", "order.json", "--id", "m-1"])).unwrap();
-    assert_eq!(report["outcome"], "ok", "{report}");
-    assert_eq!(report["effects"].as_array().map(Vec::len), Some(3), "{report}");
-    let ran = report["instructions"].as_u64().expect("try reports instructions");
+    let ran = payments_order_instructions(&Project::new(""), &js);
     assert!(
         (1_000_000..3_000_000).contains(&ran),
         "a JavaScript payments message ran {ran} instructions: the SDK's build-time warm-up (onceq-guest.js) no longer takes effect"
@@ -1088,13 +1094,7 @@ fn a_python_message_does_not_pay_for_the_sdk_s_first_run() {
         format!("state_dir = {:?}\n{config}", cache.display().to_string()),
     )
     .unwrap();
-    p.ok(&["init"]);
-    std::fs::write(p.path().join("order.json"), order(1, 1, 10)).unwrap();
-    let report: serde_json::Value =
-        serde_json::from_str(&p.ok(&["try", py.to_str().unwrap(), "--message", "order.json", "--id", "m-1"])).unwrap();
-    assert_eq!(report["outcome"], "ok", "{report}");
-    assert_eq!(report["effects"].as_array().map(Vec::len), Some(3), "{report}");
-    let ran = report["instructions"].as_u64().expect("try reports instructions");
+    let ran = payments_order_instructions(&p, &py);
     assert!(
         (300_000..700_000).contains(&ran),
         "a Python payments message ran {ran} instructions: the SDK's build-time warm-up (onceq_guest.py) no longer takes effect"
