@@ -1064,7 +1064,7 @@ fn perf_map_names_the_guest_s_functions_to_perf() {
     );
     // Every function the guest defines: the Rust payments guest defines
     // 283 (stripped of names, so each is `wasm[0]::function[N]`;
-    // docs/src/handlers.md says how to keep them).
+    // docs/src/handlers/testing.md says how to keep them).
     let guest_functions = lines.iter().filter(|l| l.contains(" wasm[0]::function[")).count();
     assert!(
         guest_functions >= 283,

@@ -92,8 +92,9 @@ pub struct RuntimeConfig {
     /// section) to `/tmp/perf-PID.map`, the file `perf report` reads for
     /// code it cannot find in a binary. Without it a guest's time shows
     /// as `[unknown]`. Off by default: the file grows with every component
-    /// loaded (a Python component names about 26,000 functions) and is
-    /// not removed when the process exits.
+    /// loaded and is not removed when the process exits. wasmtime writes a
+    /// component's whole code once per core module: about 50 MB for a
+    /// Python component (38 modules, 35,000 names).
     pub perf_map: bool,
 }
 
