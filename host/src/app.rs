@@ -359,10 +359,13 @@ pub fn check(
         ..Default::default()
     })?;
     let bytes = crate::runtime::read_component(path).with_context(|| format!("reading {}", path.display()))?;
-    if !runtime.is_cached(&bytes) {
+    let digest = crate::runtime::component_digest(&bytes);
+    if !runtime.is_cached(&digest) {
         crate::runtime::announce_large(path, progress);
     }
-    let (component, info) = runtime.inspect(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let (component, info) = runtime
+        .inspect_digested(&bytes, &digest)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let verdict = runtime.prepare(component, info.clone(), HandlerLimits::default()).map(|_| ());
     Ok((info, verdict))
 }

@@ -27,7 +27,6 @@ use crate::protocol::{Handler, QueueRunner};
 use crate::runtime::{HandlerLimits, Runtime};
 use crate::store::Store;
 use anyhow::Context;
-use sha2::Digest;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -119,8 +118,7 @@ fn check_label(label: &str) -> Result<(), DeployFailure> {
 
 /// The content hash that names a version.
 pub fn version_of(bytes: &[u8]) -> String {
-    let d = sha2::Sha256::digest(bytes);
-    crate::names::hex(&d[..d.len().min(8)])
+    crate::runtime::version_of_digest(&crate::runtime::component_digest(bytes))
 }
 
 fn now_ms() -> u64 {
@@ -128,6 +126,19 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Store a version's component (or its signature) at `path`, unless the
+/// file there holds these bytes already: a host restarting on the same
+/// handler rewrote its whole component on every start (a fifth of a
+/// JavaScript host's start, docs/src/benchmarks.md). Reading it back to
+/// compare costs less than writing it, and a damaged copy is replaced.
+fn store_version_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let same = std::fs::metadata(path).is_ok_and(|m| m.len() == bytes.len() as u64) && std::fs::read(path).is_ok_and(|b| b == bytes);
+    if same {
+        return Ok(());
+    }
+    write_atomic(path, bytes)
 }
 
 /// Write `bytes` to `path` atomically (temporary file, then rename).
@@ -235,7 +246,8 @@ impl Deployer {
     ) -> anyhow::Result<(Arc<dyn Handler>, Option<Deployment>)> {
         let bytes = crate::runtime::read_component(&q.handler)
             .with_context(|| format!("queue {}: reading handler {}", q.name, q.handler.display()))?;
-        let version = version_of(&bytes);
+        let digest = crate::runtime::component_digest(&bytes);
+        let version = crate::runtime::version_of_digest(&digest);
         let last_from_config = past.and_then(|h| h.iter().rev().find(|d| d.source == "config"));
         let active = past.and_then(|h| h.last());
         if let (Some(active), Some(cfgd)) = (active, last_from_config) {
@@ -268,12 +280,12 @@ impl Deployer {
             .check(&bytes, signature.as_deref())
             .map_err(|e| anyhow::anyhow!("queue {}: handler {} refused: {e}", q.name, q.handler.display()))?;
         let h = runtime
-            .load(&bytes, q.limits)
+            .load_digested(&bytes, &digest, q.limits)
             .map_err(|e| anyhow::anyhow!("queue {}: handler {} refused: {e}", q.name, q.handler.display()))?;
         let stored = dir.join("components").join(format!("{version}.wasm"));
-        write_atomic(&stored, &bytes).with_context(|| format!("storing version {version} in {}", dir.display()))?;
+        store_version_file(&stored, &bytes).with_context(|| format!("storing version {version} in {}", dir.display()))?;
         if let Some(s) = &signature {
-            write_atomic(&crate::signing::signature_path(&stored), s.as_bytes())
+            store_version_file(&crate::signing::signature_path(&stored), s.as_bytes())
                 .with_context(|| format!("storing version {version}'s signature in {}", dir.display()))?;
         }
         let record = if active.map(|a| a.version.as_str()) == Some(version.as_str()) {
@@ -335,7 +347,8 @@ impl Deployer {
             if let Some(l) = &label {
                 check_label(l)?;
             }
-            let version = version_of(&bytes);
+            let digest = crate::runtime::component_digest(&bytes);
+            let version = crate::runtime::version_of_digest(&digest);
             let signer = self.trust.check(&bytes, signature.as_deref()).map_err(|e| {
                 tracing::warn!(queue, version = %version, source, "deploy refused, the running version keeps serving: {e}");
                 DeployFailure::Refused {
@@ -346,7 +359,7 @@ impl Deployer {
             let (runtime, limits) = (self.runtime.clone(), slot.limits);
             let compiled = {
                 let bytes = bytes.clone();
-                tokio::task::spawn_blocking(move || runtime.load(&bytes, limits))
+                tokio::task::spawn_blocking(move || runtime.load_digested(&bytes, &digest, limits))
                     .await
                     .map_err(|e| DeployFailure::Internal(format!("compiling: {e}")))?
             };
@@ -371,11 +384,11 @@ impl Deployer {
                     return Ok(active.clone());
                 }
             }
-            write_atomic(&self.component_path(&version), &bytes)
+            store_version_file(&self.component_path(&version), &bytes)
                 .map_err(|e| DeployFailure::Internal(format!("storing version {version}: {e}")))?;
             let sig_path = crate::signing::signature_path(&self.component_path(&version));
             match &signature {
-                Some(s) => write_atomic(&sig_path, s.as_bytes())
+                Some(s) => store_version_file(&sig_path, s.as_bytes())
                     .map_err(|e| DeployFailure::Internal(format!("storing version {version}'s signature: {e}")))?,
                 None => {
                     let _ = std::fs::remove_file(&sig_path);
@@ -553,5 +566,47 @@ impl Deployer {
             }
             stop.sleep(every).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// A version's file is written when missing or different, and left
+    /// alone (the same file, not rewritten) when it holds the bytes
+    /// already: a restart on the same handler writes nothing.
+    #[test]
+    fn a_stored_version_is_rewritten_only_when_it_differs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("components").join("0123456789abcdef.wasm");
+        let bytes = b"\0asm\x0d\x00\x01\x00 a component".to_vec();
+        store_version_file(&path, &bytes).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        let inode = std::fs::metadata(&path).unwrap().ino();
+
+        store_version_file(&path, &bytes).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().ino(),
+            inode,
+            "the same bytes are not written again"
+        );
+
+        // Damaged in place (same length): replaced by a new file.
+        let mut damaged = bytes.clone();
+        damaged[10] ^= 0xff;
+        std::fs::write(&path, &damaged).unwrap();
+        store_version_file(&path, &bytes).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "a damaged copy is replaced");
+        assert_ne!(std::fs::metadata(&path).unwrap().ino(), inode);
+
+        // Cut short: replaced too.
+        std::fs::write(&path, &bytes[..8]).unwrap();
+        store_version_file(&path, &bytes).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().collect();
+        assert_eq!(leftovers.len(), 1, "no temporary file left behind");
     }
 }
