@@ -340,13 +340,9 @@ impl Runtime {
         self.cache.as_ref().is_some_and(|c| c.has(digest))
     }
 
-    /// Check and compile a component, without preparing it for a queue.
-    pub fn inspect(&self, bytes: &[u8]) -> Result<(Component, ComponentInfo), DeployError> {
-        self.inspect_digested(bytes, &component_digest(bytes))
-    }
-
-    /// [`Self::inspect`] of bytes whose [`component_digest`] is known (a
-    /// component is hashed once per load: 12 ms for a 19 MB one).
+    /// Check and compile a component whose [`component_digest`] is known,
+    /// without preparing it for a queue (a component is hashed once per
+    /// load: 12 ms for a 19 MB one).
     pub fn inspect_digested(&self, bytes: &[u8], digest: &ComponentDigest) -> Result<(Component, ComponentInfo), DeployError> {
         if bytes.len() < 8 || &bytes[0..4] != b"\0asm" {
             return Err(DeployError::NotWasm);
@@ -385,7 +381,7 @@ impl Runtime {
         self.prepare(component, info, limits)
     }
 
-    /// [`Self::load`] of what [`Self::inspect`] compiled (`onceq check`
+    /// [`Self::load`] of what [`Self::inspect_digested`] compiled (`onceq check`
     /// prints the component's imports and exports, then its verdict,
     /// compiling it once).
     pub fn prepare(&self, component: Component, info: ComponentInfo, limits: HandlerLimits) -> Result<WasmHandler, DeployError> {
