@@ -406,6 +406,61 @@ async fn a_fork_bomb_is_bounded_by_max_effects() {
     assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0);
 }
 
+// ---- effects as JSON (the WIT's `encoded` interface) ----------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_encoded_effects_fail_the_attempt_even_when_the_guest_ignores_the_error() {
+    for (json, needle) in [
+        (
+            r#"[{"write": {"table": "hostile_log", "op": "insert", "columns": [["id", "a"], ["x", 1.5]]}}]"#,
+            "bare number 1.5 has a fraction or an exponent: give a float64 as {\"float64\": 1.5}",
+        ),
+        (r#"[{"write": {"table": "hostile_log""#, "EOF while parsing"),
+        (
+            r#"[{"launch": {}}]"#,
+            "unknown variant `launch`, expected one of `write`, `enqueue`, `intent`",
+        ),
+        (
+            r#"[{"write": {"table": "hostile_log", "op": "insert", "columns": [["id", {"int64": "99999999999999999999"}]]}}]"#,
+            "\"99999999999999999999\" is not an int64",
+        ),
+        (r#"[] trailing"#, "trailing characters"),
+    ] {
+        let f = Attack::new(&format!("emit-raw {json}")).run().await;
+        // Dead-lettered with the decoder's words, and the row the guest
+        // returned after ignoring the error was not written.
+        f.refused(&["encoded effects (emit 1 of the call): ", needle]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoded_effects_are_bounded_by_max_effects_and_max_effect_bytes_as_they_arrive() {
+    let many = vec![r#"{"enqueue": {"queue": "hostile", "payload": ""}}"#; 1001].join(",");
+    let f = Attack::new(&format!("emit-raw [{many}]")).run().await;
+    f.refused(&["more than 1000 effects in one call, over the limit (setting max_effects)"]);
+    // Twenty emits of 64 KiB: refused at the one that crosses 1 MiB; the
+    // guest's later emits and its returned row are refused with it.
+    let f = Attack::new("emit-flood 20").run().await;
+    f.refused(&["over the limit of 1048576 bytes (setting max_effect_bytes)"]);
+    assert_eq!(f.db.count("SELECT COUNT(*) FROM onceq_messages"), 0, "no intent was enqueued");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emitted_effects_commit_with_the_returned_ones() {
+    let f = Attack::new("emit-then-return").run().await;
+    assert!(f.dead.is_empty(), "{:?}", f.dead);
+    assert!(
+        f.notes.contains(&"emitted".to_string()) && f.notes.contains(&"returned".to_string()),
+        "both the emitted and the returned row landed: {:?}",
+        f.notes
+    );
+    assert_eq!(
+        f.db.count("SELECT COUNT(*) FROM hostile_log WHERE note = 'emitted' AND x = 1.5"),
+        1,
+        "the emitted row kept its float64"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_reject_reason_with_terminal_escapes_is_cut_when_stored() {
     let f = Attack::new("reject-escape").run().await;

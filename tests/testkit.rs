@@ -315,6 +315,47 @@ fn python_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
     clock_and_randomness_are_the_message_s("python", "KeyError: 'missing'");
 }
 
+/// What the JavaScript SDK reads it writes back unchanged, every value type
+/// included (its reads and effects cross as JSON: an int64 past 2^53, a
+/// float64 with no fraction, bytes, a JSON document, a timestamp).
+#[test]
+fn javascript_reads_and_writes_back_every_value_type_unchanged() {
+    let kit = cached_kit();
+    let mut db = Fixture::from_ddl(
+        "CREATE TABLE kv (k TEXT NOT NULL, n INTEGER NOT NULL, f REAL, j JSON, b BLOB, t TIMESTAMP, flag BOOLEAN, note TEXT, PRIMARY KEY (k, n));",
+    )
+    .unwrap();
+    let big = 1i64 << 60;
+    let original = [
+        ("k", s("full")),
+        ("n", Value::Int64(big)),
+        ("f", Value::Float64(2.0)),
+        ("j", Value::Json(r#"{"a":[1,2.5,"x"]}"#.into())),
+        ("b", Value::Bytes(vec![0, 127, 255])),
+        ("t", Value::Timestamp(onceq_testkit::TEST_TIME)),
+        ("flag", Value::Bool(false)),
+        ("note", s("é \"quoted\" \u{1F600}")),
+    ];
+    db.insert("kv", original.clone()).unwrap();
+    let r = kit.run(
+        &kit.load(port("js", "fixtures/sdk")).unwrap(),
+        &db,
+        &kit.message("sdk", r#"{"echo": "full"}"#),
+    );
+    assert!(r.is_ok(), "{r:?}");
+    let copy = r.writes().find(|w| column(w, "k") == Some(&s("copy"))).unwrap();
+    for (name, v) in &original[1..] {
+        assert_eq!(column(copy, name), Some(v), "column {name} of {copy:?}");
+    }
+    // As the handler saw them: an int64 past 2^53 as a BigInt, the rest
+    // as plain values.
+    let types = r.writes().find(|w| column(w, "k") == Some(&s("types"))).unwrap();
+    assert_eq!(
+        column(types, "note"),
+        Some(&s("string bigint number string bytes number boolean string"))
+    );
+}
+
 /// Every SDK call, in JavaScript and Python: the same effects, byte for
 /// byte, and the ones the fixture asked for (names, types, options).
 #[test]

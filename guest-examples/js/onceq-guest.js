@@ -25,7 +25,16 @@
 // goes to the message's log.
 
 import { log as hostLog } from 'onceq:handler/log@0.1.0';
-import { get as storeGet, scan as storeScan } from 'onceq:handler/store@0.1.0';
+import { emit as hostEmit, get as hostGet, scan as hostScan } from 'onceq:handler/encoded@0.1.0';
+
+// Reads and effects cross to the host as JSON in UTF-8 bytes (the WIT's
+// `encoded` interface), not as typed records or strings: the bindings
+// componentize-js generates lower every field of a record, and measure
+// every string character by character, in interpreted code (about 3,600
+// instructions a character). Native JSON.stringify, TextEncoder and one
+// copy of the bytes do the same work for a fraction (docs/src/benchmarks.md).
+// The encoding is the WIT's: a value is null, a boolean, a string, a safe
+// integer, or an object naming its type.
 
 /** Dead-letter the message now, with this reason. */
 export class Reject extends Error {}
@@ -81,43 +90,59 @@ export function stableJson(v) {
   );
 }
 
-/** A JavaScript value as a WIT value. */
-export function value(v) {
-  if (v === null || v === undefined) return { tag: 'null' };
-  if (typeof v === 'boolean') return { tag: 'boolean', val: v };
-  if (typeof v === 'bigint') return { tag: 'int64', val: v };
-  if (typeof v === 'number') {
-    return Number.isInteger(v) ? { tag: 'int64', val: BigInt(v) } : { tag: 'float64', val: v };
+const MAX_SAFE = BigInt(Number.MAX_SAFE_INTEGER);
+
+/** A float64 as the encoding writes it: JSON has no NaN or infinities. */
+function float(x) {
+  return Number.isFinite(x) ? x : String(x);
+}
+
+/** A JavaScript value in the encoding of the WIT's `encoded` interface. */
+function encode(v) {
+  if (v === null || v === undefined) return null;
+  switch (typeof v) {
+    case 'boolean':
+    case 'string':
+      return v;
+    case 'number':
+      if (Number.isSafeInteger(v)) return v;
+      return Number.isInteger(v) ? { int64: BigInt(v).toString() } : { float64: float(v) };
+    case 'bigint':
+      return v >= -MAX_SAFE && v <= MAX_SAFE ? Number(v) : { int64: v.toString() };
   }
-  if (typeof v === 'string') return { tag: 'text', val: v };
-  if (v instanceof Uint8Array) return { tag: 'bytes', val: v };
-  if (v instanceof Timestamp) return { tag: 'timestamp', val: v.micros };
-  if (v instanceof Float64) return { tag: 'float64', val: v.value };
-  if (v instanceof Json) return { tag: 'json', val: stableJson(v.value) };
-  if (v instanceof Date) return { tag: 'timestamp', val: BigInt(v.getTime()) * 1000n };
+  if (v instanceof Uint8Array) return { bytes: Array.from(v) };
+  if (v instanceof Timestamp) return { timestamp: v.micros.toString() };
+  if (v instanceof Float64) return { float64: float(v.value) };
+  if (v instanceof Json) return { json: stableJson(v.value) };
+  if (v instanceof Date) return { timestamp: (BigInt(v.getTime()) * 1000n).toString() };
   throw new TypeError(`cannot store a ${v?.constructor?.name ?? typeof v}; wrap JSON in new Json(...)`);
+}
+
+/** An encoded value the host tagged with its type, as a plain JavaScript value. */
+function decodeTagged(v) {
+  if ('int64' in v) return BigInt(v.int64);
+  if ('timestamp' in v) return typeof v.timestamp === 'string' ? BigInt(v.timestamp) : v.timestamp;
+  if ('float64' in v) return Number(v.float64);
+  if ('json' in v) return v.json;
+  if ('bytes' in v) return Uint8Array.from(v.bytes);
+  return v.text;
+}
+
+/**
+ * A row as the host encodes it, as an object of plain values: int64 and
+ * timestamps as numbers when safe (else BigInt), JSON columns as text.
+ */
+function decodeRow(row) {
+  for (const k in row) {
+    const v = row[k];
+    if (v !== null && typeof v === 'object') row[k] = decodeTagged(v);
+  }
+  return row;
 }
 
 function plainInt(n) {
   const x = Number(n);
   return Number.isSafeInteger(x) ? x : n;
-}
-
-/** A WIT value as a plain JavaScript value (int64 and timestamps as numbers when safe). */
-function plain(v) {
-  switch (v.tag) {
-    case 'null':
-      return null;
-    case 'int64':
-    case 'timestamp':
-      return plainInt(v.val);
-    default:
-      return v.val;
-  }
-}
-
-function rowObject(row) {
-  return Object.fromEntries(row.map((c) => [c.name, plain(c.value)]));
 }
 
 const encoder = new TextEncoder();
@@ -181,27 +206,28 @@ export class Ctx {
   get(table, key) {
     let row;
     try {
-      row = storeGet(table, key.map(value));
+      row = hostGet(encoder.encode(JSON.stringify({ table, key: key.map(encode) })));
     } catch (e) {
       throw new Retry(`read of ${table} failed: ${hostError(e)}`);
     }
-    return row === undefined || row === null ? null : rowObject(row);
+    return row === undefined || row === null ? null : decodeRow(JSON.parse(row));
   }
 
   /** Rows whose key starts with `prefix`, in key order, at most `limit`. */
   scan(table, prefix, limit) {
     let rows;
     try {
-      rows = storeScan(table, prefix.map(value), limit);
+      rows = hostScan(encoder.encode(JSON.stringify({ table, prefix: prefix.map(encode), limit })));
     } catch (e) {
       throw new Retry(`scan of ${table} failed: ${hostError(e)}`);
     }
-    return rows.map(rowObject);
+    return JSON.parse(rows).map(decodeRow);
   }
 
   #write(table, op, cols) {
-    const columns = Object.entries(cols).map(([name, v]) => ({ name, value: value(v) }));
-    this.effects.push({ tag: 'write', val: { table, op, columns } });
+    const columns = [];
+    for (const name in cols) columns.push([name, encode(cols[name])]);
+    this.effects.push({ write: { table, op, columns } });
   }
 
   /** Create a row; the attempt fails if the key exists. */
@@ -227,13 +253,12 @@ export class Ctx {
   /** A follow-up message (JSON payload), enqueued with the ack. */
   enqueue(queue, payload, { delayMs, dedupKey, attributes = {} } = {}) {
     this.effects.push({
-      tag: 'enqueue',
-      val: {
+      enqueue: {
         queue,
-        payload: encoder.encode(stableJson(payload)),
+        payload: stableJson(payload),
         attributes: Object.entries(attributes),
-        delayMs: delayMs === undefined ? undefined : BigInt(delayMs),
-        dedupKey,
+        'delay-ms': delayMs,
+        'dedup-key': dedupKey,
       },
     });
   }
@@ -246,11 +271,10 @@ export class Ctx {
   /** An external side effect, delivered after commit with `key`. */
   intent(connector, key, payload, metadata = {}) {
     this.effects.push({
-      tag: 'intent',
-      val: {
+      intent: {
         connector,
-        idempotencyKey: key,
-        payload: encoder.encode(stableJson(payload)),
+        'idempotency-key': key,
+        payload: stableJson(payload),
         metadata: Object.entries(metadata),
       },
     });
@@ -319,7 +343,16 @@ export function defineHandler(handle) {
         }
         throw { tag: 'retry', val: { reason: `uncaught ${describe(e)}`, delayMs: undefined } };
       }
-      return ctx.effects;
+      // All effects in one emit; the host keeps a refusal and fails the
+      // attempt with it, whatever is returned here.
+      if (ctx.effects.length > 0) {
+        try {
+          hostEmit(encoder.encode(JSON.stringify(ctx.effects)));
+        } catch (e) {
+          throw { tag: 'reject', val: hostError(e) };
+        }
+      }
+      return [];
     },
   };
 }
@@ -343,8 +376,11 @@ export function defineHandler(handle) {
   decoder.decode(encoder.encode('x'));
   void new Error('x').stack;
   stableJson({ b: [1, { d: 1 }], a: 'x' });
-  for (const v of [1, 1.5, 'x', true, null, new Uint8Array(1), new Timestamp(1), new Json({ a: 1 }), new Date(0)]) value(v);
-  rowObject([{ name: 'a', value: { tag: 'int64', val: 1n } }]);
+  const values = [1, 2n ** 60n, 1.5, NaN, 'x', true, null, new Uint8Array(1), new Timestamp(1), new Float64(1), new Json({ a: 1 }), new Date(0)];
+  const row = {};
+  for (const [i, v] of values.entries()) row[`c${i}`] = encode(v);
+  JSON.stringify([{ write: { table: 't', op: 'insert', columns: Object.entries(row) } }]);
+  decodeRow(JSON.parse(JSON.stringify({ a: 1, b: { int64: '1' }, c: { timestamp: 1 }, d: { float64: 'NaN' }, e: { json: '{}' }, f: { bytes: [1] } })));
 
   // The bindings componentize-js generates run in a global of their own,
   // where the imports are made: they decode the message and call the

@@ -240,10 +240,14 @@ impl QueueRunner {
         }
         let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
+        let emit_error = scope.emit_error.clone();
         let mut tx = scope.into_transaction();
         let failure = match store_error {
             Some(e) => Some(AttemptError::Store(e)),
-            None => violation.map(|v| AttemptError::Handler(HandlerFailure::Read(v))),
+            None => violation
+                .map(HandlerFailure::Read)
+                .or(emit_error.map(HandlerFailure::Effect))
+                .map(AttemptError::Handler),
         };
         let effects = match (failure, result) {
             (Some(f), _) => {

@@ -112,6 +112,10 @@ pub enum EffectError {
     TooLarge { bytes: usize, limit: usize },
     #[error("effect {index}: {problem}")]
     Bad { index: usize, problem: EffectProblem },
+    /// Effects emitted as JSON text (the WIT's `encoded.emit`) that did
+    /// not decode: `call` counts the call's emits from 1.
+    #[error("encoded effects (emit {call} of the call): {problem}")]
+    Encoded { call: usize, problem: String },
 }
 
 /// What is wrong with one effect.

@@ -261,8 +261,18 @@ pub struct ReadScope {
     /// The call's `log` lines (level, line), kept only when its span is
     /// recorded (telemetry on): they become the span's events.
     pub logs: Option<Vec<(&'static str, String)>>,
+    /// Effects the handler emitted during the call (the WIT's
+    /// `encoded.emit`): they come before those it returns.
+    pub emitted: Vec<Effect>,
+    /// The first refused emit (malformed, or over a limit): the attempt
+    /// fails even if the handler swallows the error.
+    pub emit_error: Option<super::EffectError>,
+    emitted_bytes: usize,
+    emits: usize,
     max_reads: u64,
     max_read_bytes: usize,
+    max_effects: usize,
+    max_effect_bytes: usize,
 }
 
 impl ReadScope {
@@ -278,8 +288,14 @@ impl ReadScope {
             read_bytes: 0,
             instructions: None,
             logs: None,
+            emitted: Vec::new(),
+            emit_error: None,
+            emitted_bytes: 0,
+            emits: 0,
             max_reads: super::EffectLimits::default().max_reads,
             max_read_bytes: super::EffectLimits::default().max_read_bytes,
+            max_effects: super::EffectLimits::default().max_effects,
+            max_effect_bytes: super::EffectLimits::default().max_bytes,
         }
     }
 
@@ -289,7 +305,41 @@ impl ReadScope {
     pub fn with_limits(mut self, limits: &super::EffectLimits) -> ReadScope {
         self.max_reads = limits.max_reads;
         self.max_read_bytes = limits.max_read_bytes;
+        self.max_effects = limits.max_effects;
+        self.max_effect_bytes = limits.max_bytes;
         self
+    }
+
+    /// Take one `emit` of effects decoded by `decode`, which is given how
+    /// many more the call may emit and the limit (`max_effects`) and must
+    /// stop at the first over. Their bytes count against
+    /// `max_effect_bytes` as they arrive, so the host never holds more
+    /// than the queue allows. A refusal is kept (the attempt fails even if
+    /// the guest swallows it) and every later emit of the call is refused.
+    pub fn emit(&mut self, decode: impl FnOnce(usize, usize) -> Result<Vec<Effect>, String>) -> Result<(), String> {
+        if let Some(e) = &self.emit_error {
+            return Err(e.to_string());
+        }
+        self.emits += 1;
+        let room = self.max_effects.saturating_sub(self.emitted.len());
+        let refused = match decode(room, self.max_effects) {
+            Err(problem) => super::EffectError::Encoded { call: self.emits, problem },
+            Ok(effects) => {
+                self.emitted_bytes = effects.iter().map(Effect::size).fold(self.emitted_bytes, usize::saturating_add);
+                if self.emitted_bytes <= self.max_effect_bytes {
+                    self.emitted.extend(effects);
+                    return Ok(());
+                }
+                super::EffectError::TooLarge {
+                    bytes: self.emitted_bytes,
+                    limit: self.max_effect_bytes,
+                }
+            }
+        };
+        self.emitted = Vec::new();
+        let text = refused.to_string();
+        self.emit_error = Some(refused);
+        Err(text)
     }
 
     /// A read's span, under the handler call's, when the call is traced

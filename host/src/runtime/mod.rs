@@ -22,6 +22,7 @@
 //!   another WIT is refused at `onceq check`/deploy, not at every message.
 
 pub mod cache;
+pub mod encoded;
 pub mod wasi;
 
 use crate::protocol::{HandleOutput, Handler, HandlerFailure, HostTrouble, ReadScope};
@@ -688,6 +689,32 @@ impl bindings::onceq::handler::store::Host for HostState {
     }
 }
 
+/// The same reads and effects as JSON text ([`encoded`]): decoded here,
+/// then checked by the scope and the protocol as the typed ones are.
+impl bindings::onceq::handler::encoded::Host for HostState {
+    async fn emit(&mut self, effects: Vec<u8>) -> Result<(), String> {
+        self.scope.emit(|room, limit| encoded::decode_effects(&effects, room, limit))
+    }
+
+    async fn get(&mut self, query: Vec<u8>) -> Result<Option<String>, String> {
+        let (table, key) = encoded::decode_get(&query)?;
+        self.scope
+            .get(&table, &key)
+            .await
+            .map(|r| r.as_ref().map(encoded::encode_row))
+            .map_err(|e| e.to_string())
+    }
+
+    async fn scan(&mut self, query: Vec<u8>) -> Result<String, String> {
+        let (table, prefix, limit) = encoded::decode_scan(&query)?;
+        self.scope
+            .scan(&table, &prefix, limit)
+            .await
+            .map(|rows| encoded::encode_rows(&rows))
+            .map_err(|e| e.to_string())
+    }
+}
+
 impl bindings::onceq::handler::log::Host for HostState {
     async fn log(&mut self, level: bindings::onceq::handler::log::Level, message: String) {
         use bindings::onceq::handler::log::Level;
@@ -908,7 +935,12 @@ impl Handler for WasmHandler {
             && !state.limiter.memory_hit;
         let last_stderr = drain_stdio(&state.wasi, trapped);
         let result = match r {
-            Ok(Ok(effects)) => Ok(effects.into_iter().map(effect_from_wit).collect()),
+            Ok(Ok(effects)) => {
+                // Those emitted during the call come first.
+                let mut all = std::mem::take(&mut state.scope.emitted);
+                all.extend(effects.into_iter().map(effect_from_wit));
+                Ok(all)
+            }
             Ok(Err(wit::HandlerError::Retry(r))) => Err(HandlerFailure::from_retry(r.reason, r.delay_ms.map(Duration::from_millis))),
             Ok(Err(wit::HandlerError::Reject(reason))) => Err(HandlerFailure::Reject(reason)),
             // A read the store did not answer in time: the store's

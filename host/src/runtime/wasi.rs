@@ -30,6 +30,7 @@ pub const ALLOWED_IMPORTS: &[&str] = &[
     "onceq:handler/types",
     "onceq:handler/store",
     "onceq:handler/log",
+    "onceq:handler/encoded",
     "wasi:io/error",
     "wasi:io/poll",
     "wasi:io/streams",
