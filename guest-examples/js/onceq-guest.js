@@ -76,18 +76,48 @@ export class Json {
   }
 }
 
+// The SDK's own loops index arrays and walk objects with for-in: in a
+// fresh instance SpiderMonkey's interpreter spends about 20,000
+// instructions on each step of a for-of over an array (its iterator is
+// self-hosted code), and callbacks of map() and of JSON.stringify's
+// replacer cost alike. Measured with `onceq try` (docs/src/benchmarks.md).
+
+/** A copy of `x` with every object's keys in sorted order, BigInts as numbers. */
+function sortedCopy(x) {
+  if (x === null || typeof x !== 'object') return typeof x === 'bigint' ? Number(x) : x;
+  if (typeof x.toJSON === 'function') return sortedCopy(x.toJSON());
+  if (x instanceof Uint8Array) return x;
+  if (Array.isArray(x)) {
+    const a = new Array(x.length);
+    for (let i = 0; i < x.length; i++) a[i] = sortedCopy(x[i]);
+    return a;
+  }
+  const keys = Object.keys(x).sort();
+  const o = {};
+  for (let i = 0; i < keys.length; i++) o[keys[i]] = sortedCopy(x[keys[i]]);
+  return o;
+}
+
 /**
  * Compact JSON with object keys sorted, so the same value always gives the
  * same bytes (and the same bytes as the Rust and Python SDKs).
  */
 export function stableJson(v) {
-  return JSON.stringify(v, (_, x) =>
-    x && typeof x === 'object' && !Array.isArray(x) && !(x instanceof Uint8Array)
-      ? Object.fromEntries(Object.keys(x).sort().map((k) => [k, x[k]]))
-      : typeof x === 'bigint'
-        ? Number(x)
-        : x,
-  );
+  return JSON.stringify(sortedCopy(v));
+}
+
+/** An object's own enumerable string-keyed properties as [key, value] pairs. */
+function pairs(o) {
+  const out = [];
+  for (const k in o) if (Object.hasOwn(o, k)) out.push([k, o[k]]);
+  return out;
+}
+
+/** Values in the encoding of the WIT's `encoded` interface. */
+function encodeAll(values) {
+  const out = new Array(values.length);
+  for (let i = 0; i < values.length; i++) out[i] = encode(values[i]);
+  return out;
 }
 
 const MAX_SAFE = BigInt(Number.MAX_SAFE_INTEGER);
@@ -154,7 +184,8 @@ export class Message {
     this.id = m.id;
     this.queue = m.queue;
     this.payload = m.payload;
-    this.attributes = Object.fromEntries(m.attributes);
+    this.attributes = {};
+    for (let i = 0; i < m.attributes.length; i++) this.attributes[m.attributes[i][0]] = m.attributes[i][1];
     this.attempt = m.attempt;
     this.enqueuedAt = plainInt(m.enqueuedAt);
     this.now = plainInt(m.now);
@@ -185,10 +216,12 @@ export class Message {
     if (typeof v !== 'object' || v === null || Array.isArray(v)) {
       throw new Reject('malformed payload: expected an object');
     }
-    return names.map((name) => {
-      if (!(name in v)) throw new Reject(`malformed payload: missing field \`${name}\``);
-      return v[name];
-    });
+    const out = new Array(names.length);
+    for (let i = 0; i < names.length; i++) {
+      if (!(names[i] in v)) throw new Reject(`malformed payload: missing field \`${names[i]}\``);
+      out[i] = v[names[i]];
+    }
+    return out;
   }
 }
 
@@ -206,7 +239,7 @@ export class Ctx {
   get(table, key) {
     let row;
     try {
-      row = hostGet(encoder.encode(JSON.stringify({ table, key: key.map(encode) })));
+      row = hostGet(encoder.encode(JSON.stringify({ table, key: encodeAll(key) })));
     } catch (e) {
       throw new Retry(`read of ${table} failed: ${hostError(e)}`);
     }
@@ -217,11 +250,13 @@ export class Ctx {
   scan(table, prefix, limit) {
     let rows;
     try {
-      rows = hostScan(encoder.encode(JSON.stringify({ table, prefix: prefix.map(encode), limit })));
+      rows = hostScan(encoder.encode(JSON.stringify({ table, prefix: encodeAll(prefix), limit })));
     } catch (e) {
       throw new Retry(`scan of ${table} failed: ${hostError(e)}`);
     }
-    return JSON.parse(rows).map(decodeRow);
+    const out = JSON.parse(rows);
+    for (let i = 0; i < out.length; i++) decodeRow(out[i]);
+    return out;
   }
 
   #write(table, op, cols) {
@@ -256,7 +291,7 @@ export class Ctx {
       enqueue: {
         queue,
         payload: stableJson(payload),
-        attributes: Object.entries(attributes),
+        attributes: pairs(attributes),
         'delay-ms': delayMs,
         'dedup-key': dedupKey,
       },
@@ -275,7 +310,7 @@ export class Ctx {
         connector,
         'idempotency-key': key,
         payload: stableJson(payload),
-        metadata: Object.entries(metadata),
+        metadata: pairs(metadata),
       },
     });
   }
@@ -379,7 +414,8 @@ export function defineHandler(handle) {
   const values = [1, 2n ** 60n, 1.5, NaN, 'x', true, null, new Uint8Array(1), new Timestamp(1), new Float64(1), new Json({ a: 1 }), new Date(0)];
   const row = {};
   for (const [i, v] of values.entries()) row[`c${i}`] = encode(v);
-  JSON.stringify([{ write: { table: 't', op: 'insert', columns: Object.entries(row) } }]);
+  JSON.stringify([{ write: { table: 't', op: 'insert', columns: pairs(row) } }]);
+  JSON.stringify({ table: 't', key: encodeAll([1, 'x']) });
   decodeRow(JSON.parse(JSON.stringify({ a: 1, b: { int64: '1' }, c: { timestamp: 1 }, d: { float64: 'NaN' }, e: { json: '{}' }, f: { bytes: [1] } })));
 
   // The bindings componentize-js generates run in a global of their own,
