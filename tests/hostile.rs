@@ -431,6 +431,9 @@ async fn malformed_encoded_effects_fail_the_attempt_even_when_the_guest_ignores_
         // returned after ignoring the error was not written.
         f.refused(&["encoded effects (emit 1 of the call): ", needle]);
     }
+    // A read's query likewise.
+    let f = Attack::new(r#"get-raw {"table": "hostile_log", "key": [0.5]}"#).run().await;
+    f.refused(&["malformed get: bare number 0.5 has a fraction or an exponent"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

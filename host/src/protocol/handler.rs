@@ -396,6 +396,17 @@ impl ReadScope {
         &mut *self.tx
     }
 
+    /// A read whose query did not decode (the WIT's `encoded.get` and
+    /// `scan`): refused as a malformed key is, so the attempt fails even if
+    /// the guest swallows the error. Returns the text the guest gets.
+    pub fn refuse_malformed(&mut self, message: String) -> String {
+        self.refuse(ReadError::BadKey {
+            table: String::new(),
+            message,
+        })
+        .to_string()
+    }
+
     /// Record the first refusal; the guest gets it back.
     fn refuse(&mut self, e: ReadError) -> ScopeError {
         self.violation.get_or_insert(e.clone());

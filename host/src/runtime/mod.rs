@@ -697,7 +697,7 @@ impl bindings::onceq::handler::encoded::Host for HostState {
     }
 
     async fn get(&mut self, query: Vec<u8>) -> Result<Option<String>, String> {
-        let (table, key) = encoded::decode_get(&query)?;
+        let (table, key) = encoded::decode_get(&query).map_err(|e| self.scope.refuse_malformed(e))?;
         self.scope
             .get(&table, &key)
             .await
@@ -706,7 +706,7 @@ impl bindings::onceq::handler::encoded::Host for HostState {
     }
 
     async fn scan(&mut self, query: Vec<u8>) -> Result<String, String> {
-        let (table, prefix, limit) = encoded::decode_scan(&query)?;
+        let (table, prefix, limit) = encoded::decode_scan(&query).map_err(|e| self.scope.refuse_malformed(e))?;
         self.scope
             .scan(&table, &prefix, limit)
             .await
