@@ -170,7 +170,7 @@ fn read_type(ty: ColumnType) -> &'static str {
     }
 }
 
-/// What the host accepts for a column (the SDK's `value()` mapping).
+/// What the host accepts for a column (the SDK's `encode()` mapping).
 fn write_type(ty: ColumnType) -> &'static str {
     match ty {
         ColumnType::Bool => "boolean",
