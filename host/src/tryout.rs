@@ -64,11 +64,9 @@ pub async fn run(
     // (the protocol re-runs or fails it), then a refused read, then a
     // refused emit, then the handler's own result; the reason is worded as
     // a real run words it.
-    let violation = match (&scope.store_error, &scope.violation, &scope.emit_error) {
-        (Some(e), _, _) => Some(HandlerFailure::from_store(e.clone())),
-        (None, Some(v), _) => Some(HandlerFailure::Read(v.clone())),
-        (None, None, Some(e)) => Some(HandlerFailure::Effect(e.clone())),
-        (None, None, None) => None,
+    let violation = match &scope.store_error {
+        Some(e) => Some(HandlerFailure::from_store(e.clone())),
+        None => scope.refusal(),
     };
     let mut tx = scope.into_transaction();
     let report = |outcome: &str, reason: Option<String>, effects: Vec<Effect>, retry_after_ms: Option<u64>| TryReport {

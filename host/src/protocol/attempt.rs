@@ -238,16 +238,12 @@ impl QueueRunner {
         if let Some(n) = scope.instructions {
             self.metrics.record_instructions(handler.version(), n);
         }
-        let violation = scope.violation.clone();
         let store_error = scope.store_error.clone();
-        let emit_error = scope.emit_error.clone();
+        let refusal = scope.refusal();
         let mut tx = scope.into_transaction();
         let failure = match store_error {
             Some(e) => Some(AttemptError::Store(e)),
-            None => violation
-                .map(HandlerFailure::Read)
-                .or(emit_error.map(HandlerFailure::Effect))
-                .map(AttemptError::Handler),
+            None => refusal.map(AttemptError::Handler),
         };
         let effects = match (failure, result) {
             (Some(f), _) => {

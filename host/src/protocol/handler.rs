@@ -396,6 +396,18 @@ impl ReadScope {
         &mut *self.tx
     }
 
+    /// What the handler did that the scope refused, whatever the handler
+    /// returned: a refused read first, then a refused emit. (A store error
+    /// during a read, which the caller weighs before this, is not the
+    /// handler's doing.)
+    pub fn refusal(&self) -> Option<HandlerFailure> {
+        match (&self.violation, &self.emit_error) {
+            (Some(v), _) => Some(HandlerFailure::Read(v.clone())),
+            (None, Some(e)) => Some(HandlerFailure::Effect(e.clone())),
+            (None, None) => None,
+        }
+    }
+
     /// A read whose query did not decode (the WIT's `encoded.get` and
     /// `scan`): refused as a malformed key is, so the attempt fails even if
     /// the guest swallows the error. Returns the text the guest gets.

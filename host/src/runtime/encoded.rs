@@ -19,7 +19,7 @@
 
 use crate::value::{self, Effect, Row, Value};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde::ser::{SerializeMap, SerializeSeq, Serializer};
+use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -358,21 +358,9 @@ impl Serialize for Encode<'_> {
             Value::Float64(f) => tagged(s, "float64", f),
             Value::String(t) => s.serialize_str(t),
             Value::Json(t) => tagged(s, "json", t),
-            Value::Bytes(b) => tagged(s, "bytes", &Bytes(b)),
+            // serde writes bytes as an array of numbers.
+            Value::Bytes(b) => tagged(s, "bytes", b),
         }
-    }
-}
-
-/// Bytes as an array of numbers.
-struct Bytes<'a>(&'a [u8]);
-
-impl Serialize for Bytes<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.0.len()))?;
-        for b in self.0 {
-            seq.serialize_element(b)?;
-        }
-        seq.end()
     }
 }
 
@@ -388,18 +376,6 @@ impl Serialize for EncodeRow<'_> {
     }
 }
 
-struct EncodeRows<'a>(&'a [Row]);
-
-impl Serialize for EncodeRows<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut seq = s.serialize_seq(Some(self.0.len()))?;
-        for r in self.0 {
-            seq.serialize_element(&EncodeRow(r))?;
-        }
-        seq.end()
-    }
-}
-
 /// A row as a JSON object of its columns' values, in column order.
 pub fn encode_row(row: &Row) -> String {
     // Writing to a String cannot fail, and every value serializes.
@@ -408,7 +384,7 @@ pub fn encode_row(row: &Row) -> String {
 
 /// Rows as a JSON array of objects.
 pub fn encode_rows(rows: &[Row]) -> String {
-    serde_json::to_string(&EncodeRows(rows)).unwrap_or_default()
+    serde_json::to_string(&rows.iter().map(EncodeRow).collect::<Vec<_>>()).unwrap_or_default()
 }
 
 #[cfg(test)]
