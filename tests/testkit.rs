@@ -317,7 +317,8 @@ fn python_clock_and_randomness_are_the_message_s_and_bugs_name_themselves() {
 
 /// What the JavaScript SDK reads it writes back unchanged, every value type
 /// included (its reads and effects cross as JSON: an int64 past 2^53, a
-/// float64 with no fraction, bytes, a JSON document, a timestamp).
+/// float64 with no fraction, bytes, a JSON document, a timestamp), and an
+/// object's inherited properties are not columns.
 #[test]
 fn javascript_reads_and_writes_back_every_value_type_unchanged() {
     let kit = cached_kit();
