@@ -373,12 +373,18 @@ impl FileShared {
                 // file is opened to append, so writers of other hosts never
                 // interleave within a line).
                 let written = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                    if let Some(dir) = path.parent() {
-                        if !dir.as_os_str().is_empty() {
-                            std::fs::create_dir_all(dir)?;
+                    let open = || std::fs::OpenOptions::new().create(true).append(true).open(&path);
+                    // Its folder made only when missing (a failed mkdir for
+                    // every group, otherwise).
+                    let mut f = match open() {
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                                std::fs::create_dir_all(dir)?;
+                            }
+                            open()?
                         }
-                    }
-                    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+                        other => other?,
+                    };
                     f.write_all(&lines)?;
                     f.sync_data()
                 })
@@ -408,11 +414,11 @@ impl FileConnector {
 
     /// Append `line` and wait until it is on disk: written and synced by
     /// the group write that took it.
-    async fn append_synced(&self, line: &str) -> Result<(), String> {
+    async fn append_synced(&self, line: &[u8]) -> Result<(), String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let start_writer = {
             let mut q = self.shared.queued();
-            q.lines.extend_from_slice(line.as_bytes());
+            q.lines.extend_from_slice(line);
             q.waiting.push(tx);
             !std::mem::replace(&mut q.writing, true)
         };
@@ -430,34 +436,65 @@ const FILE_GROUP_YIELDS: usize = 8;
 /// Concurrent deliveries of a `file` connector by default.
 pub const FILE_WORKERS: usize = 64;
 
-/// A line of the `file` connector's output.
-pub fn file_line(intent: &Intent) -> serde_json::Value {
-    let mut line = serde_json::json!({
-        "connector": intent.connector,
-        "idempotency_key": intent.idempotency_key,
-        "metadata": intent.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect::<serde_json::Map<String, serde_json::Value>>(),
-        "source_queue": intent.source_queue,
-        "source_message_id": intent.source_message_id,
-        "source_version": intent.source_version,
-        "attempt": intent.attempt,
-    });
-    if let Some(t) = &intent.traceparent {
-        line["traceparent"] = serde_json::Value::String(t.clone());
+/// A line of the `file` connector's output: a JSON object, its keys in
+/// alphabetical order, then a newline. The payload is kept as JSON when it
+/// is JSON (its keys sorted too), as text when it is other UTF-8, and as
+/// base64 under `payload_base64` otherwise; `source_version` is `null`
+/// when unknown, `traceparent` only there when the intent carries one.
+///
+/// Written straight from the intent's fields: building a
+/// `serde_json::Value` of the whole line and formatting it was about 6% of
+/// the workers' time in a CLI run of 20,000 payments messages.
+pub fn file_line(intent: &Intent) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    #[serde(untagged)]
+    enum Payload<'a> {
+        Json(serde_json::Value),
+        Text(&'a str),
     }
-    let payload = match serde_json::from_slice::<serde_json::Value>(&intent.payload) {
-        Ok(v) => ("payload", v),
+    // Fields in alphabetical order, as a `serde_json::Map` writes its keys.
+    #[derive(serde::Serialize)]
+    struct Line<'a> {
+        attempt: u32,
+        connector: &'a str,
+        idempotency_key: &'a str,
+        /// Sorted, the last of a repeated name kept.
+        metadata: std::collections::BTreeMap<&'a str, &'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        payload: Option<Payload<'a>>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        payload_base64: Option<String>,
+        source_message_id: &'a str,
+        source_queue: &'a str,
+        source_version: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        traceparent: Option<&'a str>,
+    }
+    let (payload, payload_base64) = match serde_json::from_slice::<serde_json::Value>(&intent.payload) {
+        Ok(v) => (Some(Payload::Json(v)), None),
         Err(_) => match std::str::from_utf8(&intent.payload) {
-            Ok(t) => ("payload", serde_json::Value::String(t.to_string())),
-            Err(_) => (
-                "payload_base64",
-                serde_json::Value::String(base64::engine::general_purpose::STANDARD.encode(&intent.payload)),
-            ),
+            Ok(t) => (Some(Payload::Text(t)), None),
+            Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&intent.payload))),
         },
     };
-    if let Some(o) = line.as_object_mut() {
-        o.insert(payload.0.to_string(), payload.1);
-    }
-    line
+    let line = Line {
+        attempt: intent.attempt,
+        connector: &intent.connector,
+        idempotency_key: &intent.idempotency_key,
+        metadata: intent.metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+        payload,
+        payload_base64,
+        source_message_id: &intent.source_message_id,
+        source_queue: &intent.source_queue,
+        source_version: intent.source_version.as_deref(),
+        traceparent: intent.traceparent.as_deref(),
+    };
+    let mut out = Vec::with_capacity(256 + intent.payload.len());
+    // Cannot fail: writing to a Vec does not, every key is a string and
+    // every value serializes.
+    let _ = serde_json::to_writer(&mut out, &line);
+    out.push(b'\n');
+    out
 }
 
 #[async_trait]
@@ -477,9 +514,7 @@ impl Connector for FileConnector {
     }
 
     async fn deliver(&self, intent: &Intent) -> Delivery {
-        let mut line = file_line(intent).to_string();
-        line.push('\n');
-        match self.append_synced(&line).await {
+        match self.append_synced(&file_line(intent)).await {
             Ok(()) => Delivery::Delivered(format!("appended to {}", self.shared.path.display())),
             Err(e) => Delivery::Retry {
                 reason: format!("writing {}: {e}", self.shared.path.display()),
@@ -530,12 +565,12 @@ mod tests {
     }
 
     #[test]
-    fn file_lines_keep_json_payloads_as_json() {
+    fn file_lines_keep_json_payloads_as_json_with_every_key_sorted() {
         let mut i = Intent {
             connector: "c".into(),
             idempotency_key: "k".into(),
-            payload: br#"{"a":1}"#.to_vec(),
-            metadata: vec![("m".into(), "v".into())],
+            payload: br#"{"b": [1, 2.5], "a": {"y": null, "x": "\u00e9"}}"#.to_vec(),
+            metadata: vec![("z".into(), "1".into()), ("m".into(), "v".into()), ("z".into(), "2".into())],
             source_queue: "q".into(),
             source_message_id: "id".into(),
             source_version: None,
@@ -544,11 +579,66 @@ mod tests {
             id: "x".into(),
             attempt: 1,
         };
-        let line = file_line(&i);
-        assert_eq!(line["payload"]["a"], 1);
-        assert_eq!(line["metadata"]["m"], "v");
+        let line = |i: &Intent| String::from_utf8(file_line(i)).unwrap();
+        assert_eq!(
+            line(&i),
+            concat!(
+                r#"{"attempt":1,"connector":"c","idempotency_key":"k","metadata":{"m":"v","z":"2"},"#,
+                r#""payload":{"a":{"x":"é","y":null},"b":[1,2.5]},"source_message_id":"id","source_queue":"q","#,
+                r#""source_version":null}"#,
+                "\n"
+            )
+        );
+        i.payload = b"not json \"quoted\"".to_vec();
+        i.source_version = Some("v1".into());
+        i.traceparent = Some("00-abc-def-01".into());
+        i.metadata.clear();
+        assert_eq!(
+            line(&i),
+            concat!(
+                r#"{"attempt":1,"connector":"c","idempotency_key":"k","metadata":{},"payload":"not json \"quoted\"","#,
+                r#""source_message_id":"id","source_queue":"q","source_version":"v1","traceparent":"00-abc-def-01"}"#,
+                "\n"
+            )
+        );
         i.payload = vec![0xff, 0x00];
-        assert_eq!(file_line(&i)["payload_base64"], "/wA=");
+        let v: serde_json::Value = serde_json::from_slice(&file_line(&i)).unwrap();
+        assert_eq!(v["payload_base64"], "/wA=");
+        assert!(v.get("payload").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_file_connector_makes_its_missing_folders_and_appends_whole_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("not").join("yet").join("out.jsonl");
+        let c = FileConnector::new(path.clone());
+        let mut i = Intent {
+            connector: "c".into(),
+            idempotency_key: "k1".into(),
+            payload: br#"{"n":1}"#.to_vec(),
+            metadata: vec![],
+            source_queue: "q".into(),
+            source_message_id: "id".into(),
+            source_version: None,
+            traceparent: None,
+            tracestate: None,
+            id: "x".into(),
+            attempt: 1,
+        };
+        assert!(matches!(c.deliver(&i).await, Delivery::Delivered(_)));
+        i.idempotency_key = "k2".into();
+        assert!(matches!(c.deliver(&i).await, Delivery::Delivered(_)));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let keys: Vec<String> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(keys, ["k1", "k2"]);
     }
 
     #[tokio::test]
@@ -580,7 +670,7 @@ mod tests {
             let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
             rt.block_on(async {
                 use std::future::Future;
-                let mut first = Box::pin(c.append_synced("first\n"));
+                let mut first = Box::pin(c.append_synced(b"first\n"));
                 std::future::poll_fn(|cx| {
                     assert!(first.as_mut().poll(cx).is_pending());
                     std::task::Poll::Ready(())
@@ -591,7 +681,7 @@ mod tests {
         assert!(!c.shared.queued().writing, "a dropped writer clears `writing`");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
-            tokio::time::timeout(std::time::Duration::from_secs(60), c.append_synced("second\n"))
+            tokio::time::timeout(std::time::Duration::from_secs(60), c.append_synced(b"second\n"))
                 .await
                 .expect("a later delivery starts a writer of its own")
                 .unwrap();
