@@ -552,6 +552,37 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
+    /// An intent of connector `c` with key `key` and `payload`.
+    fn intent(key: &str, payload: &[u8]) -> Intent {
+        Intent {
+            connector: "c".into(),
+            idempotency_key: key.into(),
+            payload: payload.to_vec(),
+            metadata: vec![],
+            source_queue: "q".into(),
+            source_message_id: "id".into(),
+            source_version: None,
+            traceparent: None,
+            tracestate: None,
+            id: "x".into(),
+            attempt: 1,
+        }
+    }
+
+    /// The idempotency keys of a file connector's lines, in order.
+    fn keys_in(path: &std::path::Path) -> Vec<String> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    }
+
     #[test]
     fn retry_after_seconds_and_dates() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
@@ -566,19 +597,8 @@ mod tests {
 
     #[test]
     fn file_lines_keep_json_payloads_as_json_with_every_key_sorted() {
-        let mut i = Intent {
-            connector: "c".into(),
-            idempotency_key: "k".into(),
-            payload: br#"{"b": [1, 2.5], "a": {"y": null, "x": "\u00e9"}}"#.to_vec(),
-            metadata: vec![("z".into(), "1".into()), ("m".into(), "v".into()), ("z".into(), "2".into())],
-            source_queue: "q".into(),
-            source_message_id: "id".into(),
-            source_version: None,
-            traceparent: None,
-            tracestate: None,
-            id: "x".into(),
-            attempt: 1,
-        };
+        let mut i = intent("k", br#"{"b": [1, 2.5], "a": {"y": null, "x": "\u00e9"}}"#);
+        i.metadata = vec![("z".into(), "1".into()), ("m".into(), "v".into()), ("z".into(), "2".into())];
         let line = |i: &Intent| String::from_utf8(file_line(i)).unwrap();
         assert_eq!(
             line(&i),
@@ -612,33 +632,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("not").join("yet").join("out.jsonl");
         let c = FileConnector::new(path.clone());
-        let mut i = Intent {
-            connector: "c".into(),
-            idempotency_key: "k1".into(),
-            payload: br#"{"n":1}"#.to_vec(),
-            metadata: vec![],
-            source_queue: "q".into(),
-            source_message_id: "id".into(),
-            source_version: None,
-            traceparent: None,
-            tracestate: None,
-            id: "x".into(),
-            attempt: 1,
-        };
+        let mut i = intent("k1", br#"{"n":1}"#);
         assert!(matches!(c.deliver(&i).await, Delivery::Delivered(_)));
         i.idempotency_key = "k2".into();
         assert!(matches!(c.deliver(&i).await, Delivery::Delivered(_)));
-        let text = std::fs::read_to_string(&path).unwrap();
-        let keys: Vec<String> = text
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
-            })
-            .collect();
-        assert_eq!(keys, ["k1", "k2"]);
+        assert_eq!(keys_in(&path), ["k1", "k2"]);
     }
 
     #[tokio::test]
@@ -701,36 +699,12 @@ mod tests {
         let mut tasks = tokio::task::JoinSet::new();
         for n in 0..64 {
             let c = c.clone();
-            tasks.spawn(async move {
-                let i = Intent {
-                    connector: "c".into(),
-                    idempotency_key: format!("k{n}"),
-                    payload: format!(r#"{{"n":{n}}}"#).into_bytes(),
-                    metadata: vec![],
-                    source_queue: "q".into(),
-                    source_message_id: format!("m{n}"),
-                    source_version: None,
-                    traceparent: None,
-                    tracestate: None,
-                    id: format!("x{n}"),
-                    attempt: 1,
-                };
-                c.deliver(&i).await
-            });
+            tasks.spawn(async move { c.deliver(&intent(&format!("k{n}"), format!(r#"{{"n":{n}}}"#).as_bytes())).await });
         }
         while let Some(d) = tasks.join_next().await {
             assert!(matches!(d.unwrap(), Delivery::Delivered(_)));
         }
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut keys: Vec<String> = text
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["idempotency_key"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
-            })
-            .collect();
+        let mut keys = keys_in(&path);
         keys.sort();
         keys.dedup();
         assert_eq!(keys.len(), 64, "every line, whole, once");
