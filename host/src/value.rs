@@ -125,7 +125,7 @@ impl Message {
 }
 
 /// WIT `write-op`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WriteOp {
     Insert,

@@ -58,9 +58,7 @@ impl<'de> Visitor<'de> for ValueVisitor {
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
-        i64::try_from(v)
-            .map(Value::Int64)
-            .map_err(|_| E::custom(format!("integer {v} is beyond int64's range")))
+        int64_of(v).map(Value::Int64)
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
@@ -110,6 +108,11 @@ impl<'de> Visitor<'de> for ValueVisitor {
     }
 }
 
+/// A JSON integer too large to be negative, as an int64 if it fits.
+fn int64_of<E: de::Error>(v: u64) -> Result<i64, E> {
+    i64::try_from(v).map_err(|_| E::custom(format!("integer {v} is beyond int64's range")))
+}
+
 /// An int64 as a JSON integer or its decimal text.
 struct Integer(i64);
 
@@ -125,7 +128,7 @@ impl<'de> Deserialize<'de> for Integer {
                 Ok(v)
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<i64, E> {
-                i64::try_from(v).map_err(|_| E::custom(format!("integer {v} is beyond int64's range")))
+                int64_of(v)
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<i64, E> {
                 v.parse()
@@ -173,19 +176,10 @@ impl<'de> Deserialize<'de> for Float {
 }
 
 #[derive(Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Op {
-    Insert,
-    Update,
-    Upsert,
-    Delete,
-}
-
-#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Write {
     table: String,
-    op: Op,
+    op: value::WriteOp,
     columns: Vec<(String, Decoded)>,
 }
 
@@ -225,12 +219,7 @@ impl From<Encoded> for Effect {
         match e {
             Encoded::Write(w) => Effect::Write(value::RowWrite {
                 table: w.table,
-                op: match w.op {
-                    Op::Insert => value::WriteOp::Insert,
-                    Op::Update => value::WriteOp::Update,
-                    Op::Upsert => value::WriteOp::Upsert,
-                    Op::Delete => value::WriteOp::Delete,
-                },
+                op: w.op,
                 columns: w.columns.into_iter().map(|(k, v)| (k, v.0)).collect(),
             }),
             Encoded::Enqueue(f) => Effect::Enqueue(value::FollowUp {
