@@ -548,18 +548,29 @@ impl commit::Executor for SqliteExec<'_> {
 
     async fn message_insert(&mut self, id: &str, p: &SendParams) -> StoreResult<()> {
         if let Some(h) = p.handoff.as_ref().filter(|_| p.delay.is_zero()) {
-            // Leased to this host from the start: its first delivery.
-            let (enqueued_at, lease_until) = self
-                .conn
-                .prepare_cached(&format!(
+            // Leased to this host from the start: its first delivery. Its
+            // times are bound, read from the clock SQLite's `unixepoch`
+            // reads, not computed by SQLite and returned: `RETURNING` runs
+            // as a trigger, so the insert opened a statement journal and an
+            // ephemeral table for every row, 5% of the committer's time in
+            // a CLI run (docs/src/benchmarks.md).
+            let enqueued_at = super::now_micros();
+            let lease_until = enqueued_at.saturating_add(micros(h.lease));
+            self.conn
+                .prepare_cached(
                     "INSERT INTO onceq_messages (id, queue, payload, attributes, attempt, enqueued_at, visible_at, lease_token)
-                     VALUES (?1, ?2, ?3, ?4, 1, {NOW}, {NOW} + ?5, ?6) RETURNING enqueued_at, visible_at"
-                ))
+                     VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7)",
+                )
                 .and_then(|mut s| {
-                    s.query_row(
-                        params![id, p.queue, p.payload, attrs_to_json(&p.attributes), micros(h.lease), h.token],
-                        |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)),
-                    )
+                    s.execute(params![
+                        id,
+                        p.queue,
+                        p.payload,
+                        attrs_to_json(&p.attributes),
+                        enqueued_at,
+                        lease_until,
+                        h.token
+                    ])
                 })
                 .map_err(classify)?;
             h.set_landed(Some(super::HandedOff {
