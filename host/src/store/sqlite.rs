@@ -1202,10 +1202,14 @@ impl Store for SqliteStore {
             .inner
             .write_undurable(move |c| {
                 let mut stmt = c
-                    // The limit written in, not bound: see `select_sql`.
+                    // The limit written in, not bound: see `select_sql`. By
+                    // rowid: the index that finds the messages holds it, so
+                    // neither the search nor the update looks up an id
+                    // (`id IN (SELECT id ...)` read each row for its id, then
+                    // searched the id's index for its row).
                     .prepare_cached(&format!(
                         "UPDATE onceq_messages SET lease_token = ?1, visible_at = {NOW} + ?2, attempt = attempt + 1
-                         WHERE id IN (SELECT id FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT {})
+                         WHERE rowid IN (SELECT rowid FROM onceq_messages WHERE queue = ?3 AND visible_at <= {NOW} ORDER BY visible_at LIMIT {})
                          RETURNING id, payload, attributes, attempt, enqueued_at, visible_at, failures",
                         p.limit
                     ))
