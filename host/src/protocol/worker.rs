@@ -147,6 +147,11 @@ impl QueueRunner {
                         if shutdown.is_requested() {
                             break;
                         }
+                        // Paused while this worker waited for its turn:
+                        // no lease (the top of the loop naps).
+                        if self.is_paused() {
+                            continue;
+                        }
                     }
                     let (leased, leased_at) = self.lease_next(pace.limit(p.batch, p.lease), &mut turns).await;
                     (leased, leased_at, gate)
@@ -537,6 +542,32 @@ mod tests {
         }
         assert!(sent.elapsed() < Duration::from_secs(4), "8 messages took {:?}", sent.elapsed());
         assert_eq!(rows(&store).await, 8);
+        tx.request();
+        running.await.unwrap();
+    }
+
+    /// A pause stops this host's leases at once, also for the workers
+    /// already waiting for their turn to poll an idle queue: they look
+    /// again before they lease. (They used to lease once more each, so a
+    /// dead letter replayed onto a just-paused queue could be taken.)
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_stops_the_workers_waiting_to_poll_an_idle_queue() {
+        let (_dir, store, _counts, r) = counted_slow_writers(4, Duration::from_millis(10));
+        let (tx, rx) = crate::shutdown::channel();
+        let running = tokio::spawn(r.clone().run(rx));
+        // Idle: the workers wait their turns at the poll gate.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        r.set_paused(true);
+        send(&store, 3).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(r.metrics.processed.load(Relaxed), 0, "processed from a paused queue");
+        assert_eq!(rows(&store).await, 0);
+        // Resumed, they are taken.
+        r.set_paused(false);
+        while r.metrics.processed.load(Relaxed) < 3 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(rows(&store).await, 3);
         tx.request();
         running.await.unwrap();
     }
