@@ -10,6 +10,7 @@ use crate::common;
 use common::host::Host;
 use common::*;
 use fantoccini::{Client, ClientBuilder, Locator};
+use std::os::unix::process::CommandExt as _;
 use std::time::{Duration, Instant};
 
 /// A hostile order: markup and script in the payload (and so in the
@@ -17,7 +18,8 @@ use std::time::{Duration, Instant};
 const HOSTILE: &str =
     r#"{"order_id":"<img src=x onerror=\"window.__pwned=1\"><script>window.__pwned=2</script>","account":"acct-1","amount":-1}"#;
 
-/// chromedriver on a free port, stopped (killed) on drop.
+/// chromedriver on a free port, in a process group of its own, stopped
+/// (the group killed) on drop.
 struct Driver {
     child: std::process::Child,
     port: u16,
@@ -25,6 +27,13 @@ struct Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
+        // The browsers chromedriver started are in its group: a test that
+        // failed before it quit its session leaves no Chromium running
+        // (killing chromedriver alone left about ten processes behind).
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .stderr(std::process::Stdio::null())
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -38,6 +47,7 @@ async fn browser(dir: &std::path::Path) -> (Driver, Client) {
     let port = free_port();
     let child = std::process::Command::new("chromedriver")
         .arg(format!("--port={port}"))
+        .process_group(0)
         .stdout(std::fs::File::create(dir.join("chromedriver.log")).unwrap())
         .stderr(std::process::Stdio::null())
         .spawn()
