@@ -73,8 +73,13 @@ impl QueueRunner {
     /// The next batch, and when its lease began: from the inbox
     /// ([`super::handoff`]) when it holds messages, except every
     /// [`TABLE_FIRST`]th time; from the table otherwise, or when the table
-    /// had none.
-    async fn lease_next(&self, limit: usize, turns: &mut u32) -> (Leased, Instant) {
+    /// had none. `None` while the queue is paused: asked here, right
+    /// before the lease, so a worker that waited for its turn to poll an
+    /// idle queue (or finished a batch) looks again after a pause.
+    async fn lease_next(&self, limit: usize, turns: &mut u32) -> Option<(Leased, Instant)> {
+        if self.is_paused() {
+            return None;
+        }
         *turns = turns.wrapping_add(1);
         let handed = || {
             self.inbox.take(limit).map(|(batch, at)| {
@@ -89,7 +94,7 @@ impl QueueRunner {
         };
         if !turns.is_multiple_of(TABLE_FIRST) {
             if let Some(l) = handed() {
-                return l;
+                return Some(l);
             }
         }
         let at = Instant::now();
@@ -99,10 +104,10 @@ impl QueueRunner {
             .await;
         if matches!(&leased.share, Ok(b) if b.is_empty()) {
             if let Some(l) = handed() {
-                return l;
+                return Some(l);
             }
         }
-        (leased, at)
+        Some((leased, at))
     }
 
     pub(super) async fn worker(&self, n: usize, mut shutdown: Shutdown) {
@@ -147,13 +152,11 @@ impl QueueRunner {
                         if shutdown.is_requested() {
                             break;
                         }
-                        // Paused while this worker waited for its turn:
-                        // no lease (the top of the loop naps).
-                        if self.is_paused() {
-                            continue;
-                        }
                     }
-                    let (leased, leased_at) = self.lease_next(pace.limit(p.batch, p.lease), &mut turns).await;
+                    // Paused meanwhile: no lease (the top of the loop naps).
+                    let Some((leased, leased_at)) = self.lease_next(pace.limit(p.batch, p.lease), &mut turns).await else {
+                        continue;
+                    };
                     (leased, leased_at, gate)
                 }
             };
@@ -184,13 +187,8 @@ impl QueueRunner {
                 continue;
             }
             let limit = pace.limit(p.batch, p.lease);
-            let next = async {
-                // Paused meanwhile: no next batch.
-                if self.is_paused() {
-                    return None;
-                }
-                Some(self.lease_next(limit, &mut turns).await)
-            };
+            // Paused meanwhile: no next batch.
+            let next = self.lease_next(limit, &mut turns);
             let held = Held::new(self, batch.len());
             let (lost, next) = self.process_batch_then(&batch, leased_at, &shutdown, next).await;
             drop(held);
