@@ -273,6 +273,10 @@ tables = ["tally"]
         Some(&0.0),
         "no write was refused, so no batch was committed again message by message"
     );
+    assert!(
+        m.contains_key("onceq_commit_leases_in_batches_total"),
+        "the leases run inside batches are counted"
+    );
     let (_, stats) = host.get("/v1/stats").await;
     let stats: serde_json::Value = serde_json::from_str(&stats).unwrap();
     assert_eq!(stats["active_versions"]["tally"], h2.as_str());

@@ -272,3 +272,147 @@ async fn sqlite_a_batched_ack_without_writes_keeps_nothing_when_it_fails() {
     assert!(matches!(again[0], SendOutcome::Duplicate { .. }), "a's hold landed: {:?}", again[0]);
     assert!(matches!(again[1], SendOutcome::Sent { .. }), "d's hold did not: {:?}", again[1]);
 }
+
+/// Commits grouped after a whole second's wait for more: what a test asks
+/// meanwhile finds the batch still to come, however loaded the machine.
+fn batched_slowly() -> StoreOptions {
+    StoreOptions {
+        commit: onceq::store::commit::CommitOptions {
+            max_batch: 64,
+            max_wait: Duration::from_secs(1),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// The leases committed inside a batch's transaction so far.
+fn leases_in_batches(s: &dyn onceq::store::Store) -> u64 {
+    s.commit_stats().unwrap().leases_in_batches
+}
+
+/// Ack `leases`, each in a transaction of its own, from a task (their
+/// commits go together, in one batch).
+fn ack_later(
+    s: &std::sync::Arc<dyn onceq::store::Store>,
+    leases: Vec<onceq::store::Lease>,
+) -> tokio::task::JoinHandle<Result<(), onceq::store::StoreError>> {
+    let s = s.clone();
+    tokio::spawn(async move {
+        let mut acks = tokio::task::JoinSet::new();
+        for l in leases {
+            let s = s.clone();
+            acks.spawn(async move { suite::ack(s.as_ref(), &l).await });
+        }
+        let mut out = Ok(());
+        while let Some(r) = acks.join_next().await {
+            out = out.and(r.unwrap());
+        }
+        out
+    })
+}
+
+/// A lease asked while a batch of commits gathers runs inside that batch's
+/// transaction (it is answered once the batch committed); one asked with
+/// no commit coming runs alone. Either way its messages are leased once,
+/// and its token acks them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_lease_asked_while_a_batch_gathers_rides_in_its_transaction() {
+    let db = TestDb::with_options(suite::SCHEMA_SQLITE, batched_slowly());
+    let s = db.store.clone();
+    s.message_send((0..6).map(|i| suite::send("q", &format!("m{i}"))).collect())
+        .await
+        .unwrap();
+    let first = suite::lease(s.as_ref(), "q", 2, 60_000).await;
+    assert_eq!(first.len(), 2);
+    assert_eq!(leases_in_batches(s.as_ref()), 0, "no commit was coming: the lease ran alone");
+
+    let acked = ack_later(&s, vec![first[0].lease.clone()]);
+    // The ack's batch waits a second for more: it is on its way by now.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = suite::lease(s.as_ref(), "q", 3, 60_000).await;
+    acked.await.unwrap().unwrap();
+    assert_eq!(leases_in_batches(s.as_ref()), 1, "the lease ran inside the ack's batch");
+    let mut ids: Vec<&str> = first.iter().chain(&second).map(|m| m.message.id.as_str()).collect();
+    assert_eq!(ids.len(), 5);
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 5, "a message leased twice");
+
+    ack_later(&s, second.iter().map(|m| m.lease.clone()).collect())
+        .await
+        .unwrap()
+        .unwrap();
+    let rest = suite::lease(s.as_ref(), "q", 10, 60_000).await;
+    assert_eq!(rest.len(), 1, "6 sent, 5 leased: {rest:?}");
+    assert_eq!(
+        suite::payloads(s.as_ref(), "q").await.len(),
+        2,
+        "first[1] and the one just leased are left"
+    );
+}
+
+/// A lease that ran inside a batch whose commit was refused (a foreign key
+/// checked at the commit) is not lost with it: it runs again alone and is
+/// answered, while the batch's messages get their own verdicts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_lease_in_a_refused_batch_runs_again_alone() {
+    use onceq::store::StoreError;
+    use onceq::value::{RowWrite, Value, WriteOp};
+    let ddl = format!(
+        "{}CREATE TABLE parents (id TEXT PRIMARY KEY);
+         CREATE TABLE kids (id TEXT PRIMARY KEY, parent TEXT NOT NULL REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED);",
+        suite::SCHEMA_SQLITE
+    );
+    let db = TestDb::with_options(&ddl, batched_slowly());
+    let s = db.store.clone();
+    s.message_send((0..4).map(|i| suite::send("q", &format!("m{i}"))).collect())
+        .await
+        .unwrap();
+    let first = suite::lease(s.as_ref(), "q", 2, 60_000).await;
+    assert_eq!(first.len(), 2);
+    let kids = s.schema().table("kids").unwrap().clone();
+    let orphan = kids
+        .check_write(&RowWrite {
+            table: "kids".into(),
+            op: WriteOp::Insert,
+            columns: vec![
+                ("id".to_string(), Value::String("k".into())),
+                ("parent".to_string(), Value::String("nobody".into())),
+            ],
+        })
+        .unwrap();
+    let refused = {
+        let (s, lease) = (s.clone(), first[0].lease.clone());
+        tokio::spawn(async move {
+            let mut tx = s.transaction_begin().await.unwrap();
+            tx.row_write(orphan);
+            tx.message_ack(&lease);
+            tx.commit().await
+        })
+    };
+    let clean = ack_later(&s, vec![first[1].lease.clone()]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = suite::lease(s.as_ref(), "q", 2, 60_000).await;
+    let refused = refused.await.unwrap();
+    assert!(matches!(refused, Err(StoreError::WriteRefused(_))), "the orphan: {refused:?}");
+    clean.await.unwrap().unwrap();
+    assert_eq!(second.len(), 2, "the lease was answered with its messages");
+    assert!(
+        second.iter().all(|m| first.iter().all(|f| f.message.id != m.message.id)),
+        "a message leased twice"
+    );
+    assert_eq!(leases_in_batches(s.as_ref()), 0, "the batch that ran it did not commit");
+    assert!(s.commit_stats().unwrap().split_batches >= 1);
+    // Its lease holds: its token acks both, and nothing else is left to lease.
+    ack_later(&s, second.iter().map(|m| m.lease.clone()).collect())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(suite::lease(s.as_ref(), "q", 10, 60_000).await.is_empty());
+    assert_eq!(
+        suite::payloads(s.as_ref(), "q").await,
+        [String::from_utf8_lossy(&first[0].message.payload)],
+        "the refused message stays, leased"
+    );
+}

@@ -761,6 +761,13 @@ impl prometheus_client::collector::Collector for Collector {
                 MetricType::Counter,
             )?;
             ConstCounter::new(stats.split_batches).encode(m)?;
+            let m = e.encode_descriptor(
+                "onceq_commit_leases_in_batches",
+                "Leases run inside a batch's transaction, with its messages, instead of in a transaction of their own (SQLite)",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(stats.leases_in_batches).encode(m)?;
         }
         {
             let mut m = e.encode_descriptor(

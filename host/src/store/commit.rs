@@ -427,8 +427,8 @@ impl Default for CommitOptions {
 }
 
 /// What a store's group commit did so far (`onceq_commit_batches`,
-/// `onceq_commit_messages` and `onceq_commit_split_batches` on the admin
-/// API's metrics).
+/// `onceq_commit_messages`, `onceq_commit_split_batches` and
+/// `onceq_commit_leases_in_batches` on the admin API's metrics).
 #[derive(Debug, Clone)]
 pub struct CommitStats {
     /// Batches committed (each one database transaction).
@@ -440,6 +440,9 @@ pub struct CommitStats {
     /// SQLite: a statement that ended the transaction, or a refused commit).
     /// `onceq_commit_split_batches` on the admin API's metrics.
     pub split_batches: u64,
+    /// SQLite: leases run inside a batch's transaction, not in one of
+    /// their own (`onceq_commit_leases_in_batches`).
+    pub leases_in_batches: u64,
     /// Spanner: handlers' point reads, and the read calls that served them
     /// (reads of concurrent messages are coalesced, `store/spanner/reads.rs`).
     pub point_reads: u64,
@@ -553,6 +556,9 @@ pub struct Group {
     observer: Arc<std::sync::OnceLock<BatchObserver>>,
     /// Transactions open whose commit is still to come ([`Expected`]).
     open: Arc<std::sync::atomic::AtomicUsize>,
+    /// Commits queued for the committer and not yet taken by it
+    /// ([`Group::commits_queued`]).
+    queued: Arc<std::sync::atomic::AtomicUsize>,
     #[cfg(feature = "fault-injection")]
     faults: Arc<super::faulty::BatchFaultCounts>,
 }
@@ -616,9 +622,18 @@ impl Group {
             messages: Default::default(),
             observer: Default::default(),
             open: Default::default(),
+            queued: Default::default(),
             #[cfg(feature = "fault-injection")]
             faults,
         }
+    }
+
+    /// Commits queued that the committer has not taken yet: when there are
+    /// some, a batch is coming, and work that can ride in its transaction
+    /// (a SQLite lease) may wait for it. A hint: a committer that stopped
+    /// leaves its queued commits counted, so never wait on it alone.
+    pub fn commits_queued(&self) -> usize {
+        self.queued.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A transaction opened: its commit is expected until the guard is
@@ -645,6 +660,7 @@ impl Group {
             batches: self.batches.load(std::sync::atomic::Ordering::Relaxed),
             messages: self.messages.load(std::sync::atomic::Ordering::Relaxed),
             split_batches: 0,
+            leases_in_batches: 0,
             point_reads: 0,
             point_read_calls: 0,
             #[cfg(feature = "fault-injection")]
@@ -668,8 +684,12 @@ impl Group {
     /// gathering committer never misses it in between).
     pub async fn commit_expected(&self, p: Pending, expected: Option<Expected>) -> StoreResult<()> {
         let (tx, rx) = oneshot::channel();
+        self.queued.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let sent = self.send(Job::Commit(p, tx)).await;
         drop(expected);
+        if sent.is_err() {
+            self.queued.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
         sent?;
         rx.await.unwrap_or_else(|_| {
             Err(StoreError::UnknownOutcome(
@@ -765,7 +785,7 @@ impl Group {
             self.driver.clone(),
             self.options,
             gather,
-            (self.batches.clone(), self.messages.clone()),
+            (self.batches.clone(), self.messages.clone(), self.queued.clone()),
             self.observer.clone(),
         );
         let run = async move {
@@ -809,16 +829,30 @@ async fn committer(
     driver: Arc<dyn BatchCommit>,
     options: CommitOptions,
     gather: Option<(Duration, Arc<std::sync::atomic::AtomicUsize>)>,
-    (batches, messages): (Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>),
+    (batches, messages, queued): (
+        Arc<std::sync::atomic::AtomicU64>,
+        Arc<std::sync::atomic::AtomicU64>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ),
     observer: Arc<std::sync::OnceLock<BatchObserver>>,
 ) {
+    // A commit taken from the queue is no longer queued (carried ones were
+    // counted off when first taken).
+    let taken = |job: &Job| {
+        if matches!(job, Job::Commit(..)) {
+            queued.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
     // Work and holds met while collecting a batch, for after it, in order.
     let mut carried: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
     loop {
         let job = match carried.pop_front() {
             Some(job) => job,
             None => match rx.recv().await {
-                Some(job) => job,
+                Some(job) => {
+                    taken(&job);
+                    job
+                }
                 None => break,
             },
         };
@@ -861,7 +895,11 @@ async fn committer(
                 senders.push(tx);
                 next = None;
                 while senders.len() < options.max_batch {
-                    match rx.try_recv() {
+                    let job = rx.try_recv();
+                    if let Ok(job) = &job {
+                        taken(job);
+                    }
+                    match job {
                         Ok(Job::Commit(p, tx)) => {
                             let (m, b) = (p.mutations(), p.bytes());
                             if mutations + m > MAX_BATCH_MUTATIONS || bytes + b > MAX_BATCH_BYTES {
