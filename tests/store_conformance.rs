@@ -119,10 +119,15 @@ async fn sqlite_batched_dedup_keys_and_scans() {
 /// Commits grouped: a batch waits 200 ms for more, so messages committed
 /// together in a test land in one batch.
 fn batched() -> StoreOptions {
+    batched_after(Duration::from_millis(200))
+}
+
+/// Commits grouped, a batch waiting `wait` for more.
+fn batched_after(wait: Duration) -> StoreOptions {
     StoreOptions {
         commit: onceq::store::commit::CommitOptions {
             max_batch: 64,
-            max_wait: Duration::from_millis(200),
+            max_wait: wait,
             ..Default::default()
         },
         ..Default::default()
@@ -276,14 +281,7 @@ async fn sqlite_a_batched_ack_without_writes_keeps_nothing_when_it_fails() {
 /// Commits grouped after a whole second's wait for more: what a test asks
 /// meanwhile finds the batch still to come, however loaded the machine.
 fn batched_slowly() -> StoreOptions {
-    StoreOptions {
-        commit: onceq::store::commit::CommitOptions {
-            max_batch: 64,
-            max_wait: Duration::from_secs(1),
-            ..Default::default()
-        },
-        ..Default::default()
-    }
+    batched_after(Duration::from_secs(1))
 }
 
 /// The leases committed inside a batch's transaction so far.
