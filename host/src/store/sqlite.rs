@@ -1140,12 +1140,14 @@ impl Inner {
     /// frames (the same queue pages the batch wrote again a moment later),
     /// and its BEGIN and COMMIT: 12% of the committer's samples through
     /// the CLI, and 18.6% fewer samples in all once leases rode in the
-    /// batches (docs/src/benchmarks.md). Otherwise,
-    /// or when the batch left it (a batch that failed as a whole), a
-    /// second job serves it, with every other lease waiting then, in one
-    /// transaction ([`Self::serve_asks`]). A lease inside a batch is as
-    /// durable as its messages; one of its own is undurable
-    /// ([`Self::write_undurable`]).
+    /// batches (docs/src/benchmarks.md).
+    ///
+    /// With no commit queued, the job serves it at once, with every other
+    /// lease waiting then, in one transaction ([`Self::serve_asks`]). When
+    /// the batch left it (one that failed as a whole puts its leases back),
+    /// a second job does: a lease is deferred once at most, so it never
+    /// waits on a batch that does not come. A lease inside a batch is as durable as its messages;
+    /// one of its own is undurable, as before ([`Self::write_undurable`]).
     async fn lease(self: &Arc<Self>, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
         use tokio::sync::oneshot::error::TryRecvError;
         let token = random_id();
