@@ -838,10 +838,8 @@ async fn committer(
 ) {
     // A commit taken from the queue is no longer queued (carried ones were
     // counted off when first taken).
-    let taken = |job: &Job| {
-        if matches!(job, Job::Commit(..)) {
-            queued.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        }
+    let taken = || {
+        queued.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     };
     // Work and holds met while collecting a batch, for after it, in order.
     let mut carried: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
@@ -850,7 +848,9 @@ async fn committer(
             Some(job) => job,
             None => match rx.recv().await {
                 Some(job) => {
-                    taken(&job);
+                    if matches!(job, Job::Commit(..)) {
+                        taken();
+                    }
                     job
                 }
                 None => break,
@@ -895,12 +895,9 @@ async fn committer(
                 senders.push(tx);
                 next = None;
                 while senders.len() < options.max_batch {
-                    let job = rx.try_recv();
-                    if let Ok(job) = &job {
-                        taken(job);
-                    }
-                    match job {
+                    match rx.try_recv() {
                         Ok(Job::Commit(p, tx)) => {
+                            taken();
                             let (m, b) = (p.mutations(), p.bytes());
                             if mutations + m > MAX_BATCH_MUTATIONS || bytes + b > MAX_BATCH_BYTES {
                                 // Too heavy for this batch: the first of the next.

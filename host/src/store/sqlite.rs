@@ -1089,17 +1089,8 @@ impl Inner {
             }
             results.push(r);
         }
-        let leased = self.lease_inside(&tx);
-        if tx.is_autocommit() {
-            self.ask_again(leased.into_iter().map(|(ask, _)| ask));
-            return Err(BatchLost::Whole(StoreError::Permanent(
-                "the transaction ended during its leases".into(),
-            )));
-        }
-        if let Err(e) = count_processed(&tx, batch, &results) {
-            self.ask_again(leased.into_iter().map(|(ask, _)| ask));
-            return Err(e.into());
-        }
+        count_processed(&tx, batch, &results)?;
+        let leased = self.lease_inside(&tx)?;
         match tx.commit() {
             Ok(()) => {
                 self.leases_inside
@@ -1210,8 +1201,9 @@ impl Inner {
     }
 
     /// The leases waiting, run in a batch's transaction `tx`; those whose
-    /// statement failed wait again.
-    fn lease_inside(&self, tx: &Connection) -> Vec<(LeaseAsk, Vec<LeasedMessage>)> {
+    /// statement failed wait again, and so do all of them if a statement
+    /// ended the transaction (the batch is then lost as a whole).
+    fn lease_inside(&self, tx: &Connection) -> Result<Vec<(LeaseAsk, Vec<LeasedMessage>)>, BatchLost> {
         let asks = std::mem::take(&mut *self.asks());
         let mut leased = Vec::with_capacity(asks.len());
         let mut again = Vec::new();
@@ -1221,8 +1213,14 @@ impl Inner {
                 Err(_) => again.push(ask),
             }
         }
+        if tx.is_autocommit() {
+            self.ask_again(leased.into_iter().map(|(ask, _)| ask).chain(again));
+            return Err(BatchLost::Whole(StoreError::Permanent(
+                "the transaction ended during its leases".into(),
+            )));
+        }
         self.ask_again(again);
-        leased
+        Ok(leased)
     }
 
     /// Leases a batch ran but did not commit: waiting again, first.
