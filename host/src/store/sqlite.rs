@@ -2014,6 +2014,7 @@ impl commit::Snapshot for SqliteSnapshot {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::schema::{ColumnSchema, ColumnType};
 
@@ -2041,6 +2042,32 @@ mod tests {
         assert_eq!(
             select_sql(&table, 0, Some(3)),
             r#"SELECT "v", "b", "a""1" FROM "odd ""table""" ORDER BY "a""1", "b" LIMIT 3"#
+        );
+    }
+
+    /// The bundled SQLite is built as `.cargo/config.toml` says
+    /// (`LIBSQLITE3_FLAGS`): no memory statistics, and no page cache
+    /// shared by every connection behind one mutex. A build that missed
+    /// the file (run from elsewhere, the variable overridden) would be
+    /// slower, not wrong: this test says so, where a bench would only be
+    /// slower.
+    #[test]
+    fn the_bundled_sqlite_is_built_with_the_repository_flags() {
+        let conn = Connection::open_in_memory().unwrap();
+        let options: Vec<String> = conn
+            .prepare("PRAGMA compile_options")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(
+            options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"),
+            "built with memory statistics: {options:?}"
+        );
+        assert!(
+            !options.iter().any(|o| o == "ENABLE_MEMORY_MANAGEMENT"),
+            "built with one page cache for every connection: {options:?}"
         );
     }
 }
