@@ -350,6 +350,94 @@ async fn a_delivery_slower_than_its_lease_is_not_sent_twice() {
     assert_eq!(dispatcher.metrics.processed.load(Relaxed), 3);
 }
 
+/// A connector that delivers its first `warm_up` intents at once, then
+/// holds each delivery until `expected` have arrived (or `patience`
+/// passed), counting how many it held at once and each key.
+struct Gathering {
+    together: bool,
+    warm_up: u64,
+    expected: u64,
+    patience: Duration,
+    arrived: AtomicU64,
+    held: AtomicU64,
+    most_held: AtomicU64,
+    keys: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl outbox::Connector for Gathering {
+    fn kind(&self) -> &'static str {
+        "gathering"
+    }
+
+    fn delivers_together(&self) -> bool {
+        self.together
+    }
+
+    async fn deliver(&self, intent: &outbox::Intent) -> outbox::Delivery {
+        if self.arrived.fetch_add(1, Relaxed) < self.warm_up {
+            self.keys.lock().unwrap().push(intent.idempotency_key.clone());
+            return outbox::Delivery::Delivered("warming up".into());
+        }
+        let held = self.held.fetch_add(1, Relaxed) + 1;
+        self.most_held.fetch_max(held, Relaxed);
+        let until = tokio::time::Instant::now() + self.patience;
+        while self.arrived.load(Relaxed) < self.expected && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.keys.lock().unwrap().push(intent.idempotency_key.clone());
+        self.held.fetch_sub(1, Relaxed);
+        outbox::Delivery::Delivered("gathered".into())
+    }
+}
+
+/// One outbox worker delivers the intents of its leased batch at once
+/// when its connector allows it (a `file` connector's deliveries then
+/// share one write and `fdatasync` instead of waiting for one each), and
+/// one after another otherwise (a webhook's receiver is asked to take
+/// `outbox.workers` at once, no more). Each is delivered once, with its
+/// key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_worker_delivers_its_batch_together_where_its_connector_allows() {
+    for (together, patience, most) in [(true, Duration::from_secs(3), 4), (false, Duration::from_millis(300), 1)] {
+        let db = TestDb::new(PAYMENTS_SQL);
+        seed_accounts(db.store.as_ref(), ACCOUNTS, BALANCE).await;
+        db.send("payments", (0..6).map(|i| order(i, i, 10))).await;
+        let rt = runtime();
+        let payments = payments_runner(&db.store, &rt, policy(1, 3));
+        drain(&db.store, &[payments]).await;
+        let gathering = Arc::new(Gathering {
+            together,
+            // A worker leases one message before it has measured its
+            // pace, and its second lease starts before the first batch
+            // is measured: two batches of one, then the other four.
+            warm_up: 2,
+            expected: 6,
+            patience,
+            arrived: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+            most_held: AtomicU64::new(0),
+            keys: Mutex::new(Vec::new()),
+        });
+        let settings = OutboxSettings {
+            workers: Some(1),
+            batch: 4,
+            ..fast_outbox()
+        };
+        let dispatcher = Arc::new(outbox::runner(db.store.clone(), "charge", gathering.clone(), &settings));
+        drain(&db.store, std::slice::from_ref(&dispatcher)).await;
+        assert_eq!(
+            gathering.most_held.load(Relaxed),
+            most,
+            "deliveries at once by one worker with a batch of four intents (together: {together})"
+        );
+        let mut keys = gathering.keys.lock().unwrap().clone();
+        keys.sort();
+        assert_eq!(keys, (0..6).map(|i| format!("charge-o-{i}")).collect::<Vec<_>>());
+        assert_eq!(dispatcher.metrics.processed.load(Relaxed), 6);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_loses_its_lease_cannot_commit() {
     let db = TestDb::new(CHAOS_SQL);

@@ -513,6 +513,14 @@ impl Connector for FileConnector {
         FILE_WORKERS
     }
 
+    /// A worker's intents join one group write together, where each used
+    /// to wait for the group of the one before it: through the CLI
+    /// (20,000 payments messages) the run took 4-15% less time (medians
+    /// of alternated pairs, docs/src/benchmarks.md).
+    fn delivers_together(&self) -> bool {
+        true
+    }
+
     async fn deliver(&self, intent: &Intent) -> Delivery {
         match self.append_synced(&file_line(intent)).await {
             Ok(()) => Delivery::Delivered(format!("appended to {}", self.shared.path.display())),

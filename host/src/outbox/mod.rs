@@ -149,6 +149,16 @@ pub trait Connector: Send + Sync {
     fn default_workers(&self) -> usize {
         DEFAULT_WORKERS
     }
+
+    /// Whether a worker may deliver the intents of its leased batch at
+    /// once (up to four) rather than one after another. No by default:
+    /// `outbox.workers` is then exactly how many deliveries a receiver is
+    /// asked to take at once. Yes for a connector whose concurrent
+    /// deliveries cost nothing more (the `file` connector's share one
+    /// write and one `fdatasync`).
+    fn delivers_together(&self) -> bool {
+        false
+    }
 }
 
 /// Concurrent deliveries per connector by default: what a receiver over
@@ -181,6 +191,13 @@ impl Dispatcher {
 impl Handler for Dispatcher {
     fn version(&self) -> &str {
         &self.version
+    }
+
+    /// A worker's intents are delivered together where the connector
+    /// allows it ([`Connector::delivers_together`]): each then waits for
+    /// its connector, not for the one before it.
+    fn runs_together(&self) -> bool {
+        self.connector.delivers_together()
     }
 
     async fn handle(&self, msg: &Message, mut scope: ReadScope) -> HandleOutput {

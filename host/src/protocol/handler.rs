@@ -234,6 +234,18 @@ pub trait Handler: Send + Sync {
 
     /// Handle one message, reading through `scope`.
     async fn handle(&self, msg: &Message, scope: ReadScope) -> HandleOutput;
+
+    /// Whether a worker may run the messages of its leased batch through
+    /// this handler at once (up to the messages it keeps going), rather
+    /// than one handler at a time. No for a component: each run holds a
+    /// live instance and a core. Yes for the outbox's dispatcher of a
+    /// connector that allows it, which mostly waits for the connector: a
+    /// worker's intents then share its round trip (one write and
+    /// `fdatasync` of a `file` connector) instead of waiting for one each,
+    /// in turn.
+    fn runs_together(&self) -> bool {
+        false
+    }
 }
 
 /// The reads a handler may make for one message: checked against the

@@ -57,6 +57,8 @@ pub(super) struct Slot {
     /// an attempt's start to its commit, so a worker never runs two
     /// handlers at once (a re-run waits for the next message's handler),
     /// nor holds more than one live instance (`runtime.max_instances`).
+    /// A handler that runs together (the outbox's dispatcher) has as many
+    /// turns as messages going.
     turn: Arc<Semaphore>,
 }
 
