@@ -212,8 +212,9 @@ impl QueueRunner {
         self.process_batch_then(batch, leased_at, shutdown, std::future::ready(())).await.0
     }
 
-    /// Process a leased batch in order, renewing the leases of the messages
-    /// not yet finished in the background; at shutdown, release the rest.
+    /// Process a leased batch in order (at once, for a handler that runs
+    /// together), renewing the leases of the messages not yet finished in
+    /// the background; at shutdown, release the rest.
     ///
     /// A message starts once the one before it is committing (or done), so
     /// its handler runs while that commit is in flight: a worker runs one
@@ -224,9 +225,9 @@ impl QueueRunner {
     /// 23 with four. A handler that [runs together](super::Handler::runs_together)
     /// (the outbox's dispatcher) has up to [`IN_FLIGHT`] messages started
     /// at once instead: through the CLI (20,000 payments messages, intents
-    /// to a `file` connector) a worker's four intents waited for four
-    /// `fdatasync`s in turn, and the run took 4-11% longer (medians of 7
-    /// alternated pairs, docs/src/benchmarks.md).
+    /// to a `file` connector) a worker's four intents had waited for four
+    /// `fdatasync`s in turn; started at once, the run took 4-15% less time
+    /// (medians of alternated pairs, docs/src/benchmarks.md).
     ///
     /// Returns how many of the batch's messages lost their lease before
     /// their outcome (skipped, or cancelled while their handler ran), and

@@ -1137,8 +1137,9 @@ impl Inner {
     /// lease waiting then, in one transaction ([`Self::serve_asks`]). When
     /// the batch left it (one that failed as a whole puts its leases back),
     /// a second job does: a lease is deferred once at most, so it never
-    /// waits on a batch that does not come. A lease inside a batch is as durable as its messages;
-    /// one of its own is undurable, as before ([`Self::write_undurable`]).
+    /// waits on a batch that does not come. A lease inside a batch is as
+    /// durable as its messages; one of its own is undurable, as before
+    /// ([`Self::write_undurable`]).
     async fn lease(self: &Arc<Self>, params: LeaseParams) -> StoreResult<Vec<LeasedMessage>> {
         use tokio::sync::oneshot::error::TryRecvError;
         let token = random_id();
