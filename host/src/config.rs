@@ -496,6 +496,27 @@ fn resolve(base: &Path, p: &Path) -> PathBuf {
 
 /// `store = ...`: a `sqlite://` URL or a plain path (relative to the config
 /// file's folder), or another store's URL as written.
+/// A queue's workers when neither it nor `[defaults]` sets them, on a
+/// SQLite store: its committer commits what is queued in one transaction,
+/// so more messages under way make fewer, larger commits, and the two
+/// cores were busier. Through the CLI (20,000 payments messages, intents
+/// to a file connector, alternated pairs), 32 workers took 0.90-0.95 of
+/// 16's time (medians of 10, 8 and 6 pairs; 24 and 48 did less well); the
+/// JavaScript and Python examples ran alike with either, Python's peak RSS
+/// 10% higher (docs/src/benchmarks.md).
+pub const SQLITE_WORKERS: usize = 32;
+
+/// The built-in `workers` of a queue on the store `url`: [`SQLITE_WORKERS`]
+/// on SQLite; on Spanner, [`Policy::default`]'s, the count measured on the
+/// emulator (which runs one read-write transaction at a time).
+pub fn default_workers(url: &str) -> usize {
+    if url.starts_with("spanner://") {
+        Policy::default().workers
+    } else {
+        SQLITE_WORKERS
+    }
+}
+
 fn store_url(store: &str, base: &Path) -> String {
     if let Some(p) = store.strip_prefix("sqlite://") {
         format!("sqlite://{}", resolve(base, Path::new(p)).display())
@@ -595,8 +616,9 @@ impl RawRuntime {
 
 impl RawQueue {
     /// One `[[queue]]`, its unset settings taken from `[defaults]` `d`,
-    /// then the built-in defaults.
-    fn resolve(&self, d: &RawSettings, runtime: &RuntimeConfig, base: &Path) -> anyhow::Result<QueueConfig> {
+    /// then the built-in defaults (`workers`: `default_workers`, which
+    /// depends on the store, [`default_workers`]).
+    fn resolve(&self, d: &RawSettings, runtime: &RuntimeConfig, base: &Path, default_workers: usize) -> anyhow::Result<QueueConfig> {
         let q = self;
         crate::names::check_queue(&q.name)?;
         for target in &q.enqueue {
@@ -630,7 +652,7 @@ impl RawQueue {
             retry_crashes: q.retry_crashes.or(d.retry_crashes).unwrap_or(pd.retry_crashes),
             backoff_initial: dur("backoff_initial", &q.backoff_initial, &d.backoff_initial, pd.backoff_initial)?,
             backoff_max: dur("backoff_max", &q.backoff_max, &d.backoff_max, pd.backoff_max)?,
-            workers: q.workers.or(d.workers).unwrap_or(pd.workers),
+            workers: q.workers.or(d.workers).unwrap_or(default_workers),
             batch: q.batch.or(d.batch).unwrap_or(pd.batch),
             ..pd
         };
@@ -912,16 +934,18 @@ impl Config {
         {
             bail!("runtime.count_instructions = false, but a queue has max_instructions: a budget needs instructions counted");
         }
+        let store = store_url(&raw.store, base);
+        let default_workers = default_workers(&store);
         let mut queues: Vec<QueueConfig> = Vec::new();
         for q in &raw.queues {
             if queues.iter().any(|o| o.name == q.name) {
                 bail!("queue {} is configured twice", q.name);
             }
-            queues.push(q.resolve(&raw.defaults, &runtime, base)?);
+            queues.push(q.resolve(&raw.defaults, &runtime, base, default_workers)?);
         }
         let connectors = parse_connectors(&raw.connectors, &queues, base)?;
         Ok(Config {
-            store: store_url(&raw.store, base),
+            store,
             schema,
             store_options: raw.store_options()?,
             runtime,
@@ -1002,6 +1026,26 @@ mod tests {
         assert!(e.contains("queue q: memory") && e.contains("parsecs"), "{e}");
         assert_eq!(parse_duration("k", "250ms").unwrap(), Duration::from_millis(250));
         assert!(parse_duration("lease", "soon").unwrap_err().to_string().contains("lease: \"soon\""));
+    }
+
+    #[test]
+    fn a_queue_s_workers_default_to_what_its_store_was_measured_with() {
+        let queue = "[[queue]]\nname = \"q\"\nhandler = \"q.wasm\"\n";
+        let workers = |store: &str, extra: &str| {
+            let cfg = Config::parse(&format!("store = \"{store}\"\n{extra}{queue}"), Path::new("/b")).unwrap();
+            (cfg.queue("q").unwrap().policy.workers, cfg.runtime.max_instances)
+        };
+        assert_eq!(workers("x.db", ""), (SQLITE_WORKERS, 256));
+        assert_eq!(workers("sqlite://x.db", ""), (SQLITE_WORKERS, 256));
+        assert_eq!(workers("spanner://projects/p/instances/i/databases/d", "").0, 16);
+        // Set, it is what was set, on either store.
+        assert_eq!(workers("x.db", "[defaults]\nworkers = 3\n").0, 3);
+        assert_eq!(
+            workers("spanner://projects/p/instances/i/databases/d", "[defaults]\nworkers = 40\n").0,
+            40
+        );
+        // Eight SQLite queues at the default fit the default instances.
+        assert!(SQLITE_WORKERS * 8 <= crate::runtime::RuntimeConfig::default().max_instances as usize);
     }
 
     #[test]

@@ -104,9 +104,11 @@ pub struct Policy {
     pub backoff_initial: Duration,
     /// Retry delay cap.
     pub backoff_max: Duration,
-    /// Concurrent workers (tokio tasks) on this queue. The default, 16, by
-    /// measurement through the CLI (docs/src/benchmarks.md); each worker
-    /// holds one live instance at most.
+    /// Concurrent workers (tokio tasks) on this queue; each worker holds
+    /// one live instance at most. The default, 16, by measurement through
+    /// the CLI and on the Spanner emulator (docs/src/benchmarks.md); a
+    /// config on a SQLite store defaults to 32
+    /// ([`crate::config::SQLITE_WORKERS`]).
     pub workers: usize,
     /// Messages leased per round trip.
     pub batch: usize,

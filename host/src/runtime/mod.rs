@@ -52,7 +52,11 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Engine-wide settings.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
-    /// Instances that may be live at once (pooling allocator slots).
+    /// Instances that may be live at once (pooling allocator slots). 256
+    /// by default: eight queues of a SQLite store at their default 32
+    /// workers. A slot is address space reserved, not memory: an idle
+    /// host's RSS was 42 MiB with 128 and with 256 (its virtual size 1
+    /// and 2 TiB).
     pub max_instances: u32,
     /// Largest linear memory any handler may be given.
     pub max_memory: usize,
@@ -114,7 +118,7 @@ pub const KEEP_RESIDENT_WHOLESALE: usize = 32 << 20;
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
-            max_instances: 128,
+            max_instances: 256,
             max_memory: 64 << 20,
             cache_dir: None,
             cache_max_bytes: cache::DEFAULT_MAX_BYTES,
