@@ -494,16 +494,15 @@ fn resolve(base: &Path, p: &Path) -> PathBuf {
     }
 }
 
-/// `store = ...`: a `sqlite://` URL or a plain path (relative to the config
-/// file's folder), or another store's URL as written.
 /// A queue's workers when neither it nor `[defaults]` sets them, on a
 /// SQLite store: its committer commits what is queued in one transaction,
 /// so more messages under way make fewer, larger commits, and the two
 /// cores were busier. Through the CLI (20,000 payments messages, intents
-/// to a file connector, alternated pairs), 32 workers took 0.90-0.95 of
-/// 16's time (medians of 10, 8 and 6 pairs; 24 and 48 did less well); the
-/// JavaScript and Python examples ran alike with either, Python's peak RSS
-/// 10% higher (docs/src/benchmarks.md).
+/// to a file connector, alternated pairs), 32 workers took 0.89-0.95 of
+/// 16's time (medians of 10, 8, 6 and 8 pairs; 24 and 48 did less well),
+/// with 30% fewer `fdatasync`s; the JavaScript and Python examples ran
+/// alike with either, Python's peak RSS 10% higher
+/// (docs/src/benchmarks.md).
 pub const SQLITE_WORKERS: usize = 32;
 
 /// The built-in `workers` of a queue on the store `url`: [`SQLITE_WORKERS`]
@@ -517,6 +516,8 @@ pub fn default_workers(url: &str) -> usize {
     }
 }
 
+/// `store = ...`: a `sqlite://` URL or a plain path (relative to the config
+/// file's folder), or another store's URL as written.
 fn store_url(store: &str, base: &Path) -> String {
     if let Some(p) = store.strip_prefix("sqlite://") {
         format!("sqlite://{}", resolve(base, Path::new(p)).display())
@@ -616,8 +617,8 @@ impl RawRuntime {
 
 impl RawQueue {
     /// One `[[queue]]`, its unset settings taken from `[defaults]` `d`,
-    /// then the built-in defaults (`workers`: `default_workers`, which
-    /// depends on the store, [`default_workers`]).
+    /// then the built-in defaults; `default_workers` is the store's
+    /// ([`default_workers`]).
     fn resolve(&self, d: &RawSettings, runtime: &RuntimeConfig, base: &Path, default_workers: usize) -> anyhow::Result<QueueConfig> {
         let q = self;
         crate::names::check_queue(&q.name)?;
