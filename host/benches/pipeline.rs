@@ -1439,7 +1439,7 @@ fn until_empty(work: &Path) -> std::process::Command {
 }
 
 /// As a user runs it: `onceq run --until-empty` with default settings
-/// (32 workers, 64 deliveries at once to the file connector, group commit, `synchronous = full`) on a SQLite file with
+/// ([`onceq::config::SQLITE_WORKERS`] workers, 64 deliveries at once to the file connector, group commit, `synchronous = full`) on a SQLite file with
 /// `n` payments messages queued, intents delivered to a file connector;
 /// the same with `commit.max_batch = 1`; and in the same run the raw loop,
 /// one commit per message and batched. The host's time counts from its
@@ -1511,7 +1511,10 @@ fn through_the_cli(dir: &Path, component: &Path, n: usize) {
     let (cli, alone, table_only) = (n as f64 / cli, n as f64 / alone, n as f64 / table_only);
     println!("\n| through the CLI: `onceq run --until-empty`, {n} payments messages, intents to a file connector, best of {rounds} | messages/s |");
     println!("|---|---|");
-    println!("| onceq, default settings (32 workers, 64 file deliveries at once, group commit), start to exit | {cli:.0} |");
+    println!(
+        "| onceq, default settings ({} workers, 64 file deliveries at once, group commit), start to exit | {cli:.0} |",
+        onceq::config::SQLITE_WORKERS
+    );
     println!("| onceq, `commit.max_batch = 1` | {alone:.0} |");
     println!("| onceq, `commit.handoff = false` (every intent leased from the table) | {table_only:.0} |");
     println!("| raw loop, one commit per message (no delivery) | {:.0} |", raw1.msgs_per_s);

@@ -509,10 +509,10 @@ pub const SQLITE_WORKERS: usize = 32;
 /// on SQLite; on Spanner, [`Policy::default`]'s, the count measured on the
 /// emulator (which runs one read-write transaction at a time).
 pub fn default_workers(url: &str) -> usize {
-    if url.starts_with("spanner://") {
-        Policy::default().workers
-    } else {
-        SQLITE_WORKERS
+    match crate::store::StoreUrl::parse(url) {
+        Ok(crate::store::StoreUrl::Spanner(_)) => Policy::default().workers,
+        // A URL no store takes is refused when the store opens.
+        _ => SQLITE_WORKERS,
     }
 }
 
